@@ -1,0 +1,142 @@
+"""Run remote/ modules on a node: upload once per content hash, then ``python3 -m remote.<name>``.
+
+The package remote/ is packed into a tar.gz whose sha256 names its place on the node,
+``$HOME/.cache/dfo/agent/<hash>/``. A call that finds it there costs one round trip; a
+missing copy is uploaded through stdin (no sftp needed) and made visible by an atomic rename.
+The module reads its request (JSON) from stdin and answers with one framed JSON document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shlex
+import tarfile
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import remote
+from remote._proto import EVENT_PREFIX, RESULT_PREFIX
+
+from .connection import Connection, Result
+from .errors import ConfigError, DfoError, HostError, RemoteCommandError, RunFailed, VerifyError
+
+REMOTE_ROOT = Path(remote.__file__).resolve().parent
+NEED_UPLOAD = 97
+PY_MISSING = 127
+
+
+@lru_cache(maxsize=1)
+def bundle() -> tuple[str, bytes]:
+    """(hash, tar.gz bytes) of remote/*.py and data files, deterministic."""
+    files = sorted(
+        p for p in REMOTE_ROOT.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in {".py", ".json", ".txt"}
+    )
+    h = hashlib.sha256()
+    for p in files:
+        rel = p.relative_to(REMOTE_ROOT.parent).as_posix()
+        h.update(rel.encode() + b"\0" + p.read_bytes() + b"\0")
+    digest = h.hexdigest()[:16]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for p in files:
+            info = tarfile.TarInfo(p.relative_to(REMOTE_ROOT.parent).as_posix())
+            data = p.read_bytes()
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return digest, buf.getvalue()
+
+
+def agent_dir_expr(digest: str) -> str:
+    return f'"$HOME/.cache/dfo/agent/{digest}"'
+
+
+def upload_agent(conn: Connection) -> None:
+    digest, data = bundle()
+    d = agent_dir_expr(digest)
+    cmd = (
+        f'D={d}; T="$D.tmp.$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf - -C "$T" '
+        f'&& touch "$T/.complete" && {{ mv -T "$T" "$D" 2>/dev/null || rm -rf "$T"; }}'
+    )
+    res = conn.run(cmd, stdin=data, timeout=120)
+    if res.exit_code != 0:
+        raise RemoteCommandError(f"could not upload dfo's remote code: {res.stderr.strip()[-300:]}", host=conn.name,
+                                 hint="is $HOME writable and tar installed on the node?")
+
+
+def module_command(module: str, python: str, env: dict[str, str] | None = None, args: list[str] | None = None) -> str:
+    digest, _ = bundle()
+    envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    argv = " ".join(shlex.quote(a) for a in (args or []))
+    return (
+        f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
+        f'command -v {shlex.quote(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
+        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} exec {shlex.quote(python)} -m {module} {argv}'
+    )
+
+
+_ERR_CLASSES: dict[str, type[DfoError]] = {
+    "verify": VerifyError,
+    "config": ConfigError,
+    "usage": ConfigError,
+    "unreachable": HostError,
+    "run_failed": RunFailed,
+}
+
+
+def parse_output(conn: Connection, res: Result, module: str) -> Any:
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            doc = json.loads(line[len(RESULT_PREFIX):])
+            break
+    else:
+        tail = (res.stderr.strip() or res.stdout.strip())[-400:]
+        raise RemoteCommandError(f"{module} gave no result (exit {res.exit_code}): {tail}", host=conn.name)
+    if doc.get("ok"):
+        return doc.get("data")
+    err = doc.get("error") or {}
+    cls = _ERR_CLASSES.get(err.get("kind", ""), RemoteCommandError)
+    exc = cls(err.get("message", "remote error"), host=conn.name, hint=err.get("hint"))
+    exc.details = err  # type: ignore[attr-defined]
+    raise exc
+
+
+def run_module(
+    conn: Connection,
+    module: str,
+    request: dict[str, Any] | None = None,
+    *,
+    python: str | None = None,
+    timeout: float | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+) -> Any:
+    """Run ``python3 -m <module>`` on the node with ``request`` on stdin; return the result's data.
+
+    ``env`` is for non-secret values only (they appear in the node's process listing); put
+    secrets in ``request``.
+    """
+    py = python or conn.host.python
+    payload = json.dumps(request or {})
+
+    def on_line(line: str) -> None:
+        if on_event is not None and line.startswith(EVENT_PREFIX):
+            try:
+                on_event(json.loads(line[len(EVENT_PREFIX):]))
+            except ValueError:
+                pass
+
+    cmd = module_command(module, py, env, args)
+    res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+    if res.exit_code == NEED_UPLOAD:
+        upload_agent(conn)
+        res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+    if res.exit_code == PY_MISSING and RESULT_PREFIX not in res.stdout:
+        raise VerifyError(f"{py} not found on the node", host=conn.name,
+                          hint="install python3 (3.8 or newer) there, or set python: for this host in the inventory")
+    return parse_output(conn, res, module)

@@ -1,0 +1,1 @@
+"""One module per command family; cli.py registers what each exports in COMMANDS."""

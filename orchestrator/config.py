@@ -1,0 +1,275 @@
+"""Pydantic models of inventory.yaml and job files (extra fields forbidden), and host resolution."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import ConfigError, UsageError
+from .yamlpos import load_model
+
+DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- inventory
+
+
+class HostDefaults(Strict):
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity: str | None = None
+    known_hosts: str = DEFAULT_KNOWN_HOSTS
+    python: str = "python3"
+    workspace: str = "/workspace"
+    connect_timeout: float = Field(default=10.0, gt=0)
+    command_timeout: float = Field(default=600.0, gt=0)
+    proxy_jump: str | None = None
+
+
+class HostEntry(Strict):
+    host: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = None
+    identity: str | None = None
+    gpus: int | None = Field(default=None, ge=0)
+    python: str | None = None
+    workspace: str | None = None
+    proxy_jump: str | None = None
+    transport: Literal["ssh", "local"] = "ssh"
+
+
+class Inventory(Strict):
+    defaults: HostDefaults = HostDefaults()
+    hosts: dict[str, HostEntry] = {}
+    groups: dict[str, list[str]] = {}
+
+    @field_validator("hosts")
+    @classmethod
+    def _names(cls, v: dict[str, HostEntry]) -> dict[str, HostEntry]:
+        for name in v:
+            if not _NAME.match(name) or name == "all":
+                raise ValueError(f"host name {name!r} must be letters, digits, '.', '_' or '-' (and not 'all')")
+        return v
+
+
+class ResolvedHost(BaseModel):
+    """Everything the connection layer needs for one host (after ~/.ssh/config)."""
+
+    name: str
+    transport: Literal["ssh", "local"] = "ssh"
+    hostname: str = "localhost"
+    port: int = 22
+    user: str | None = None
+    identities: list[str] = []
+    known_hosts: str = DEFAULT_KNOWN_HOSTS
+    proxy_jump: str | None = None
+    python: str = "python3"
+    workspace: str = "/workspace"
+    connect_timeout: float = 10.0
+    command_timeout: float = 600.0
+    gpus: int | None = None
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+
+def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path]:
+    p = Path(path or os.environ.get("DFO_INVENTORY") or "inventory.yaml")
+    inv = load_model(p, Inventory, display=str(path or p))
+    for group, members in inv.groups.items():
+        for m in members:
+            if m not in inv.hosts and m not in inv.groups:
+                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}", hint="add it under hosts: or fix the name")
+    return inv, p
+
+
+def _ssh_config_lookup(alias: str) -> dict[str, object]:
+    import paramiko  # local import: config parsing only
+
+    cfg_path = Path(os.environ.get("DFO_SSH_CONFIG", "~/.ssh/config")).expanduser()
+    if not cfg_path.exists():
+        return {}
+    cfg = paramiko.SSHConfig.from_path(str(cfg_path))
+    return dict(cfg.lookup(alias))
+
+
+def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
+    entry = inv.hosts.get(name)
+    if entry is None:
+        raise UsageError(f"unknown host {name!r}", hint=f"hosts in {inv_path}: {', '.join(inv.hosts) or 'none'}")
+    d = inv.defaults
+    alias = entry.host or name
+    sshc = _ssh_config_lookup(alias) if entry.transport == "ssh" else {}
+    identities: list[str] = []
+    for ident in [entry.identity, d.identity]:
+        if ident:
+            identities.append(os.path.expanduser(ident))
+            break
+    for ident in sshc.get("identityfile", []) or []:  # type: ignore[union-attr]
+        identities.append(os.path.expanduser(str(ident)))
+    base = inv_path.parent
+    kh = os.path.expanduser(d.known_hosts)
+    if not os.path.isabs(kh):
+        kh = str((base / kh).resolve())
+    identities = [i if os.path.isabs(i) else str((base / i).resolve()) for i in identities]
+    port = entry.port or d.port or int(sshc.get("port", 22))  # type: ignore[arg-type]
+    return ResolvedHost(
+        name=name,
+        transport=entry.transport,
+        hostname=str(sshc.get("hostname", alias)),
+        port=port,
+        user=entry.user or d.user or (str(sshc["user"]) if "user" in sshc else None),
+        identities=identities,
+        known_hosts=kh,
+        proxy_jump=entry.proxy_jump or d.proxy_jump or (str(sshc["proxyjump"]) if "proxyjump" in sshc else None),
+        python=entry.python or d.python,
+        workspace=entry.workspace or d.workspace,
+        connect_timeout=d.connect_timeout,
+        command_timeout=d.command_timeout,
+        gpus=entry.gpus,
+    )
+
+
+def expand_targets(inv: Inventory, targets: tuple[str, ...] | list[str], inv_path: Path) -> list[str]:
+    """Expand -H values (host names, group names, ``all``) into host names, in order, no repeats."""
+    if not targets:
+        raise UsageError("no host given", hint="pass -H HOST (a host, a group, or 'all')")
+    out: list[str] = []
+
+    def add(name: str, seen: tuple[str, ...] = ()) -> None:
+        if name == "all":
+            for h in inv.hosts:
+                add(h)
+        elif name in inv.groups:
+            if name in seen:
+                raise ConfigError(f"{inv_path}: groups.{name}: group includes itself")
+            for m in inv.groups[name]:
+                add(m, seen + (name,))
+        elif name in inv.hosts:
+            if name not in out:
+                out.append(name)
+        else:
+            known = ", ".join(list(inv.hosts) + list(inv.groups)) or "none"
+            raise UsageError(f"unknown host or group {name!r}", hint=f"known in {inv_path}: {known}, all")
+
+    for t in targets:
+        for piece in t.split(","):
+            if piece.strip():
+                add(piece.strip())
+    return out
+
+
+# --------------------------------------------------------------------------- job files
+
+
+class IndexConfig(Strict):
+    url: str | None = None
+    extra_urls: list[str] = []
+    find_links: list[str] = []
+    no_index: bool = False
+
+
+class Override(Strict):
+    package: str
+    reason: str = Field(min_length=3)
+
+    @property
+    def name(self) -> str:
+        return re.split(r"[<>=!~\[; ]", self.package, maxsplit=1)[0].strip()
+
+
+class S3Config(Strict):
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    profile: str | None = None
+    credentials: Literal["controller", "node"] = "controller"
+    concurrency: int = Field(default=32, ge=1, le=512)
+    part_size_mb: int = Field(default=16, ge=5, le=5120)
+    multipart_threshold_mb: int = Field(default=64, ge=5)
+
+
+class ModelConfig(Strict):
+    source: str
+    dest: str
+    margin_pct: float = Field(default=5.0, ge=0)
+
+
+class DataConfig(Strict):
+    source: str
+    dest: str
+    delete: bool = False
+
+
+class RunConfig(Strict):
+    workdir: str = "/root"
+    upload: list[str] = []
+    command: str
+    env: dict[str, str] = {}
+    secret_env: list[str] = []
+    wait: float = Field(default=60.0, ge=0)
+    autotune_guard: bool = False
+    stop_grace: float = Field(default=30.0, ge=0)
+
+
+class Job(Strict):
+    name: str
+    python: str = "python3"
+    venv: str = "/root/venv"
+    installer: Literal["uv", "pip"] = "pip"
+    packages: list[str] = []
+    index: IndexConfig = IndexConfig()
+    overrides: list[Override] = []
+    workspace: str | None = None
+    s3: S3Config = S3Config()
+    model: ModelConfig | None = None
+    data: DataConfig | None = None
+    run: RunConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @property
+    def venv_python(self) -> str:
+        return f"{self.venv.rstrip('/')}/bin/python"
+
+
+class LoadedJob(BaseModel):
+    job: Job
+    path: Path
+
+    def need(self, section: str) -> object:
+        value = getattr(self.job, section)
+        if value is None:
+            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see the README's job file reference")
+        return value
+
+
+def load_job(path: str | os.PathLike[str]) -> LoadedJob:
+    p = Path(path)
+    if not p.exists() and not p.suffix and (Path("jobs") / f"{p}.yaml").exists():
+        p = Path("jobs") / f"{p}.yaml"
+    job = load_model(p, Job, display=str(p))
+    return LoadedJob(job=job, path=p.resolve())
+
+
+SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY)", re.I)
+
+
+def is_secret_env(name: str, job: Job | None = None) -> bool:
+    if job is not None and job.run is not None and name in job.run.secret_env:
+        return True
+    return bool(SECRET_NAME.search(name))

@@ -1,0 +1,348 @@
+"""The only module that imports paramiko: SSH (and a local transport) with checked host keys.
+
+All SSH options live here, in one commented place:
+
+* one connection per host per dfo command, reused for every remote call (``Connection``);
+* connect timeout (inventory ``defaults.connect_timeout``) for TCP, banner and auth;
+* keepalives every ``KEEPALIVE_S`` seconds so a dead link is noticed while a command runs;
+* an explicit timeout on every call (``run(..., timeout=)``);
+* host keys: dfo keeps its own known_hosts. An unknown key is recorded on first contact
+  (OpenSSH's ``StrictHostKeyChecking=accept-new``); a changed key is refused before any
+  command runs (``HostKeyError``, exit 4) with both fingerprints and the command that forgets
+  the old key. Never ``AutoAddPolicy`` for known hosts, never ``StrictHostKeyChecking=no``.
+* ProxyJump (one hop, from the inventory or ~/.ssh/config) through a direct-tcpip channel;
+  the jump host's key is checked against the same known_hosts.
+* Remote environment is never passed with ``setenv`` (sshd's AcceptEnv would drop it);
+  secrets travel on stdin only.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import select
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from .config import ResolvedHost
+from .errors import HostError, HostKeyError
+
+KEEPALIVE_S = 15
+_KH_LOCK = threading.Lock()
+
+
+@dataclass
+class Result:
+    """What a remote command did (Fabric-style: command, stdout, stderr, exit code)."""
+
+    host: str
+    command: str
+    stdout: str
+    stderr: str
+    exit_code: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Record a never-seen host key in dfo's known_hosts (accept-new). Changed keys never get here:
+    paramiko raises BadHostKeyException for a hostname whose recorded key of that type differs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        with _KH_LOCK:
+            p = Path(self.path)
+            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            keys = paramiko.HostKeys()
+            if p.exists():
+                keys.load(str(p))
+            keys.add(hostname, key.get_name(), key)
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            keys.save(str(tmp))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, p)
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, label: str) -> HostKeyError:
+    forget = f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(host.known_hosts)}"
+    return HostKeyError(
+        f"host key for {label} CHANGED: recorded {fingerprint(exc.expected_key)}, "
+        f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run",
+        host=host.name,
+        hint=f"if the node was really rebuilt, forget the old key with: {forget}",
+    )
+
+
+class Connection:
+    """One SSH connection to one host, opened lazily and reused for every call."""
+
+    def __init__(self, host: ResolvedHost) -> None:
+        self.host = host
+        self.name = host.name
+        self._client: paramiko.SSHClient | None = None
+        self._jump: paramiko.SSHClient | None = None
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- connect
+    def _new_client(self) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        if os.path.exists(self.host.known_hosts):
+            client.load_host_keys(self.host.known_hosts)
+        client.set_missing_host_key_policy(_AcceptNew(self.host.known_hosts))
+        return client
+
+    def _open(self, hostname: str, port: int, user: str | None, sock: object | None) -> paramiko.SSHClient:
+        h = self.host
+        label = hostname if port == 22 else f"[{hostname}]:{port}"
+        client = self._new_client()
+        try:
+            client.connect(
+                hostname,
+                port=port,
+                username=user,
+                key_filename=h.identities or None,
+                look_for_keys=not h.identities,
+                allow_agent=True,
+                timeout=h.connect_timeout,
+                banner_timeout=h.connect_timeout,
+                auth_timeout=h.connect_timeout,
+                channel_timeout=h.connect_timeout,
+                sock=sock,  # type: ignore[arg-type]
+            )
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise _host_key_error(h, exc, label) from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise HostError(
+                f"authentication failed for {user or '(default user)'}@{label}: {exc}",
+                host=h.name,
+                hint="check user and identity in the inventory (or ~/.ssh/config)",
+            ) from None
+        except (TimeoutError, socket.timeout):
+            client.close()
+            raise HostError(
+                f"{label} did not answer within {h.connect_timeout:g}s",
+                host=h.name,
+                hint="is the node up and the port right? (defaults.connect_timeout sets the limit)",
+            ) from None
+        except (OSError, paramiko.SSHException) as exc:
+            client.close()
+            raise HostError(f"cannot connect to {label}: {exc}", host=h.name) from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(KEEPALIVE_S)
+        return client
+
+    def _jump_sock(self) -> paramiko.Channel | None:
+        spec = self.host.proxy_jump
+        if not spec or spec.lower() == "none":
+            return None
+        spec = spec.split(",")[0]
+        user, _, rest = spec.rpartition("@")
+        jhost, _, jport = rest.partition(":")
+        from .config import _ssh_config_lookup
+
+        sshc = _ssh_config_lookup(jhost)
+        jhostname = str(sshc.get("hostname", jhost))
+        port = int(jport or sshc.get("port", 22))  # type: ignore[arg-type]
+        self._jump = self._open(jhostname, port, user or str(sshc.get("user", "")) or self.host.user, None)
+        transport = self._jump.get_transport()
+        assert transport is not None
+        return transport.open_channel("direct-tcpip", (self.host.hostname, self.host.port), ("127.0.0.1", 0),
+                                      timeout=self.host.connect_timeout)
+
+    def connect(self) -> paramiko.SSHClient:
+        with self._lock:
+            if self._client is not None:
+                t = self._client.get_transport()
+                if t is not None and t.is_active():
+                    return self._client
+                self._close_locked()
+            sock = self._jump_sock()
+            self._client = self._open(self.host.hostname, self.host.port, self.host.user, sock)
+            return self._client
+
+    def _close_locked(self) -> None:
+        for c in (self._client, self._jump):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001 - closing a dead link
+                    pass
+        self._client = self._jump = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def reconnect(self) -> None:
+        self.close()
+        self.connect()
+
+    # ---------------------------------------------------------------- run
+    def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        stdin: bytes | str | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> Result:
+        """Run ``command`` (a shell string, built with shlex.quote) and wait, at most ``timeout`` s."""
+        limit = timeout if timeout is not None else self.host.command_timeout
+        client = self.connect()
+        transport = client.get_transport()
+        assert transport is not None
+        start = time.monotonic()
+        try:
+            chan = transport.open_session(timeout=self.host.connect_timeout)
+            chan.exec_command(command)
+            if stdin is not None:
+                chan.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
+            chan.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise HostError(f"connection lost: {exc}", host=self.name) from None
+        out, err = _Collector(on_line), bytearray()
+        try:
+            while True:
+                if time.monotonic() - start > limit:
+                    chan.close()
+                    raise HostError(
+                        f"remote command did not finish within {limit:g}s",
+                        host=self.name,
+                        hint="the node may be overloaded or the link dead; retry, or raise the timeout",
+                    )
+                select.select([chan], [], [], 0.25)
+                got = False
+                while chan.recv_ready():
+                    out.feed(chan.recv(65536))
+                    got = True
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                    got = True
+                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if not got and (chan.closed or not transport.is_active()):
+                    if not transport.is_active():
+                        self.close()
+                        raise HostError("connection lost while a command ran", host=self.name)
+                    break
+            code = chan.recv_exit_status()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise HostError(f"connection lost: {exc}", host=self.name) from None
+        finally:
+            chan.close()
+        out.flush()
+        return Result(self.name, command, out.text(), err.decode("utf-8", "replace"), code, time.monotonic() - start)
+
+
+class _Collector:
+    """Collects stdout and hands each complete line to a callback as it arrives."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self.buf = bytearray()
+        self.pending = bytearray()
+        self.on_line = on_line
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        if self.on_line is None:
+            return
+        self.pending += data
+        while True:
+            i = self.pending.find(b"\n")
+            if i < 0:
+                break
+            line = bytes(self.pending[:i]).decode("utf-8", "replace")
+            del self.pending[: i + 1]
+            self.on_line(line)
+
+    def flush(self) -> None:
+        if self.on_line is not None and self.pending:
+            self.on_line(bytes(self.pending).decode("utf-8", "replace"))
+            self.pending.clear()
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", "replace")
+
+
+class LocalConnection(Connection):
+    """The same calls, run on this machine with bash (for running dfo on the GPU box itself)."""
+
+    def connect(self) -> paramiko.SSHClient:  # type: ignore[override]
+        raise RuntimeError("local transport has no SSH client")
+
+    def close(self) -> None:
+        pass
+
+    def reconnect(self) -> None:
+        pass
+
+    def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
+            on_line: Callable[[str], None] | None = None) -> Result:
+        limit = timeout if timeout is not None else self.host.command_timeout
+        start = time.monotonic()
+        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        out = _Collector(on_line)
+        err = bytearray()
+
+        def feed_stdin() -> None:
+            try:
+                if stdin is not None:
+                    proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)  # type: ignore[union-attr]
+            except BrokenPipeError:
+                pass
+            finally:
+                proc.stdin.close()  # type: ignore[union-attr]
+
+        def read_err() -> None:
+            err.extend(proc.stderr.read())  # type: ignore[union-attr]
+
+        threads = [threading.Thread(target=feed_stdin, daemon=True), threading.Thread(target=read_err, daemon=True)]
+        for t in threads:
+            t.start()
+        fd = proc.stdout.fileno()  # type: ignore[union-attr]
+        while True:
+            remaining = limit - (time.monotonic() - start)
+            if remaining <= 0:
+                proc.kill()
+                raise HostError(f"local command did not finish within {limit:g}s", host=self.name)
+            r, _, _ = select.select([fd], [], [], min(remaining, 0.25))
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                out.feed(chunk)
+        code = proc.wait()
+        for t in threads:
+            t.join(5)
+        out.flush()
+        return Result(self.name, command, out.text(), err.decode("utf-8", "replace"), code, time.monotonic() - start)
+
+
+def open_connection(host: ResolvedHost) -> Connection:
+    return LocalConnection(host) if host.transport == "local" else Connection(host)

@@ -1,0 +1,84 @@
+"""The DfoError tree. Each error carries what the user needs to act, and its exit code.
+
+Exit codes (the CLI contract): 0 done; 1 unexpected error; 2 bad usage or invalid
+inventory/job file; 3 verification failed; 4 host unreachable / auth / host key; 5 run failed.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_USAGE = 2
+EXIT_VERIFY = 3
+EXIT_HOST = 4
+EXIT_RUN = 5
+
+
+class DfoError(Exception):
+    """Base of every error dfo reports to the user (one or two lines, no traceback)."""
+
+    exit_code = EXIT_UNEXPECTED
+    kind = "error"
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.host = host
+        self.hint = hint
+
+    def render(self) -> str:
+        head = f"{self.host}: {self.message}" if self.host else self.message
+        return f"{head}\n  {self.hint}" if self.hint else head
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "message": self.message, "host": self.host, "hint": self.hint}
+
+
+class ConfigError(DfoError):
+    """An invalid inventory or job file, or bad usage."""
+
+    exit_code = EXIT_USAGE
+    kind = "config"
+
+
+class UsageError(ConfigError):
+    kind = "usage"
+
+
+class VerifyError(DfoError):
+    """A version, a pin, a checksum or a capacity check failed."""
+
+    exit_code = EXIT_VERIFY
+    kind = "verify"
+
+
+class HostError(DfoError):
+    """The host could not be reached or authenticated."""
+
+    exit_code = EXIT_HOST
+    kind = "unreachable"
+
+
+class HostKeyError(HostError):
+    """The host presented a key that differs from the one dfo recorded."""
+
+    kind = "host_key"
+
+
+class RemoteCommandError(DfoError):
+    """A remote step failed in a way that is not a verification failure."""
+
+    exit_code = EXIT_UNEXPECTED
+    kind = "remote"
+
+
+class RunFailed(DfoError):
+    """The run died early at launch, or ended non-zero while tailed."""
+
+    exit_code = EXIT_RUN
+    kind = "run_failed"
+
+
+class NotBuilt(DfoError):
+    exit_code = EXIT_UNEXPECTED
+    kind = "not_built"

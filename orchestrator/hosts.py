@@ -1,0 +1,91 @@
+"""One command's view of its hosts: resolved once, one connection each, run in parallel."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from .config import Inventory, ResolvedHost, expand_targets, load_inventory, resolve_host
+from .connection import Connection, open_connection
+from .errors import DfoError, EXIT_UNEXPECTED
+
+T = TypeVar("T")
+
+
+@dataclass
+class Outcome(Generic[T]):
+    host: str
+    value: T | None = None
+    error: DfoError | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None:
+            return self.error.exit_code
+        code = getattr(self.value, "exit_code", 0)
+        return int(code or 0)
+
+
+class HostSession:
+    """Hosts named by -H, each with at most one connection for the whole command."""
+
+    def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
+        self.inventory, self.inventory_path = load_inventory(inventory)
+        self.names = expand_targets(self.inventory, targets, self.inventory_path)
+        self.hosts: dict[str, ResolvedHost] = {
+            n: resolve_host(self.inventory, n, self.inventory_path) for n in self.names
+        }
+        self._conns: dict[str, Connection] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_inventory(cls, inv: Inventory, path: Path, names: list[str]) -> HostSession:
+        self = cls.__new__(cls)
+        self.inventory, self.inventory_path, self.names = inv, path, names
+        self.hosts = {n: resolve_host(inv, n, path) for n in names}
+        self._conns, self._lock = {}, threading.Lock()
+        return self
+
+    def conn(self, name: str) -> Connection:
+        with self._lock:
+            c = self._conns.get(name)
+            if c is None:
+                c = self._conns[name] = open_connection(self.hosts[name])
+            return c
+
+    def each(self, fn: Callable[[Connection], T]) -> list[Outcome[T]]:
+        """Run ``fn(conn)`` on every host in parallel; one host's failure never hides another's."""
+
+        def one(name: str) -> Outcome[T]:
+            try:
+                return Outcome(name, value=fn(self.conn(name)))
+            except DfoError as exc:
+                if exc.host is None:
+                    exc.host = name
+                return Outcome(name, error=exc)
+            except Exception as exc:  # noqa: BLE001 - reported per host, never a traceback
+                err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name,
+                               hint="set DFO_DEBUG=1 for a traceback; please report it")
+                err.exit_code = EXIT_UNEXPECTED
+                err.__cause__ = exc
+                return Outcome(name, error=err)
+
+        if len(self.names) == 1:
+            return [one(self.names[0])]
+        with ThreadPoolExecutor(max_workers=min(16, len(self.names))) as pool:
+            return list(pool.map(one, self.names))
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            c.close()
+
+    def __enter__(self) -> HostSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

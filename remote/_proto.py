@@ -1,0 +1,73 @@
+"""Framing of what a remote module says on stdout (python3 3.8+, stdlib only).
+
+A remote module may print anything (banners, warnings, locale noise); the controller only
+reads two kinds of lines:
+
+* events: ``@@DFO-EVENT@@ {json}`` -- progress while the module works (zero or more);
+* the result: ``@@DFO-RESULT@@ {json}`` -- exactly one, last. It is ``{"ok": true, "data": ...}``
+  or ``{"ok": false, "error": {"kind": str, "message": str, ...}}``.
+
+The request comes on stdin as one JSON document, so secrets never sit in argv.
+"""
+import json
+import sys
+import traceback
+
+EVENT_PREFIX = "@@DFO-EVENT@@ "
+RESULT_PREFIX = "@@DFO-RESULT@@ "
+
+
+class RemoteError(Exception):
+    """An expected failure: becomes ``{"ok": false, "error": {...}}`` with exit status 0."""
+
+    def __init__(self, kind, message, **extra):
+        Exception.__init__(self, message)
+        self.kind = kind
+        self.message = message
+        self.extra = extra
+
+
+def _write(line):
+    out = sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
+def emit_event(obj):
+    _write(EVENT_PREFIX + json.dumps(obj, separators=(",", ":"), default=str))
+
+
+def emit_result(obj):
+    _write(RESULT_PREFIX + json.dumps(obj, separators=(",", ":"), default=str))
+
+
+def read_request():
+    raw = sys.stdin.read()
+    if not raw.strip():
+        return {}
+    return json.loads(raw)
+
+
+def main(handler):
+    """Run ``handler(request) -> data`` and print the framed result. Never raises."""
+    try:
+        request = read_request()
+        data = handler(request)
+        emit_result({"ok": True, "data": data})
+    except RemoteError as exc:
+        err = {"kind": exc.kind, "message": exc.message}
+        err.update(exc.extra)
+        emit_result({"ok": False, "error": err})
+    except KeyboardInterrupt:
+        emit_result({"ok": False, "error": {"kind": "interrupted", "message": "interrupted"}})
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - report, never a bare traceback
+        emit_result({
+            "ok": False,
+            "error": {
+                "kind": "internal",
+                "message": "%s: %s" % (type(exc).__name__, exc),
+                "traceback": traceback.format_exc(limit=8),
+            },
+        })
+    sys.stdout.flush()
