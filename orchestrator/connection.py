@@ -23,7 +23,6 @@ import hashlib
 import os
 import select
 import shlex
-import socket
 import subprocess
 import threading
 import time
@@ -139,7 +138,7 @@ class Connection:
                 host=h.name,
                 hint="check user and identity in the inventory (or ~/.ssh/config)",
             ) from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             client.close()
             raise HostError(
                 f"{label} did not answer within {h.connect_timeout:g}s",
@@ -316,8 +315,10 @@ class LocalConnection(Connection):
                     proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)  # type: ignore[union-attr]
             except BrokenPipeError:
                 pass
-            finally:
+            try:
                 proc.stdin.close()  # type: ignore[union-attr]
+            except BrokenPipeError:
+                pass
 
         def read_err() -> None:
             err.extend(proc.stderr.read())  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from .config import Inventory, ResolvedHost, expand_targets, load_inventory, resolve_host
 from .connection import Connection, open_connection
-from .errors import DfoError, EXIT_UNEXPECTED
+from .errors import EXIT_UNEXPECTED, DfoError
 
 T = TypeVar("T")
 

@@ -1,0 +1,94 @@
+"""dfo verify-env: what the node has, and whether the job's environment holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ..cli_common import console, emit, hosts_option, job_option, json_option, session
+from ..config import load_job
+from ..steps.verify_env import VerifyReport, verify_env
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def render(host: str, r: VerifyReport) -> None:
+    f = r.facts
+    t = Table(title=f"{host}: {'ok' if r.ok else 'PROBLEMS'}", title_justify="left", show_header=False,
+              box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("os", f"{f.os}, kernel {f.kernel}, {f.arch}")
+    t.add_row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
+    t.add_row("python3", f"{f.python} ({f.python_executable})")
+    for name, d in f.disk.items():
+        t.add_row(f"free {name}", f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
+    if f.nvidia.present:
+        t.add_row("nvidia", f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
+        for g in f.nvidia.gpus:
+            t.add_row(f"  gpu {g.index}", f"{g.name}, {_gib(g.memory)}, sm_{(g.capability or '?').replace('.', '')}")
+    else:
+        t.add_row("nvidia", "no nvidia-smi")
+    tc = f.triton_cache
+    t.add_row("triton cache", f"{tc.path}: " + (f"{tc.bytes / 2**20:.1f} MiB in {tc.files} files" if tc.exists else "absent"))
+    if f.venv_python:
+        t.add_row("job python", f.venv_python + ("" if f.venv_python_exists else " (missing)"))
+    if r.provision:
+        p = r.provision
+        t.add_row("provisioned", f"{p.get('finished') or p.get('time') or '?'} ({len(p.get('steps', []))} steps, "
+                                 f"{len(p.get('warnings', []))} warnings)")
+    console.print(t)
+    if r.packages:
+        pt = Table("package", "installed", box=None, pad_edge=False, header_style="bold")
+        for name, ver in r.packages.items():
+            pt.add_row(name, ver or "[red]not installed[/]")
+        console.print(pt)
+    if r.gpu:
+        gt = Table("gpu", "name", "arch", "in build", "triton", "fla", "seconds", box=None, pad_edge=False,
+                   header_style="bold")
+        for g in r.gpu.get("gpus", []):
+            fla = g.get("fla_ok")
+            gt.add_row(str(g.get("index")), str(g.get("name")), str(g.get("arch")),
+                       "yes" if g.get("arch_in_build") else "[red]NO[/]",
+                       "ok" if g.get("triton_ok") else "[red]FAIL[/]",
+                       "-" if fla is None else ("ok" if fla else "[red]FAIL[/]"), f"{g.get('seconds', 0):.2f}")
+        console.print(gt)
+    for w in r.warnings:
+        console.print(f"[yellow]warning[/]: {w.message}" + (f" (override: {w.reason})" if w.reason and w.reason not in w.message else ""))
+    for p in r.problems:
+        console.print(f"[red]problem[/]: {p.message}")
+
+
+@click.command("verify-env")
+@hosts_option
+@job_option(required=False)
+@click.option("--gpu", is_flag=True, help="Also run the GPU preflight with the job's interpreter: each GPU seen by "
+              "torch, its arch in the torch build, a Triton kernel, and an FLA Gated DeltaNet op when FLA is installed.")
+@json_option
+@click.pass_context
+def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | None, gpu: bool, as_json: bool) -> int:
+    """Probe nodes and check the job's environment; change nothing.
+
+    Reports OS, kernel, CPUs, memory, python3, free space of the workspace and of /dev/shm,
+    the GPUs (nvidia-smi), and the Triton cache. With -j it reads package versions from the
+    job's venv interpreter (the one the trainer uses), checks them against the job's pins and
+    checks that every installed distribution's own requirements hold, naming the pin that
+    breaks (a job override with a reason turns a break into a warning). Also reports known-bad
+    combinations (GPU arch x package versions). Exit 3 when a problem remains, 4 when a host
+    cannot be reached; hosts are probed in parallel.
+    """
+    job = load_job(job_path).job if job_path else None
+    with session(ctx, hosts) as s:
+        outcomes = s.each(lambda conn: verify_env(conn, job, gpu=gpu))
+
+    def to_json(r: Any) -> dict[str, Any]:
+        return r.to_json()
+
+    return emit(outcomes, as_json, to_json, render)
+
+
+COMMANDS = [verify_env_cmd]
