@@ -1,0 +1,241 @@
+"""A small but real DFlash-style trainer (the demo's, and a template for the real one).
+
+A frozen target model (read from the staged model directory, e.g. /dev/shm/demo-target) runs
+forward only; a small drafter learns to predict the next ``--block-size`` tokens from the
+target's last hidden state at an anchor position. Token shards come from ``--data-dir``:
+``*.tokens`` (uint32 little-endian token ids) with ``*.docs`` (uint32 document lengths);
+documents are packed into sequences and no predicted block crosses a document boundary.
+
+Logs one line per ``--log-interval`` steps in a steady format::
+
+    step 20 loss 4.1021 tok/s 18234 lr 3.0e-03 elapsed 4.1s
+
+checkpoints to ``--output-dir/ckpt-last.pt`` (temporary name, then rename) and resumes from it.
+On a GPU with ``--target fla`` the target's mixing layers are FLA Gated DeltaNet layers and
+``--dp-replicas N`` runs N data-parallel target replicas from threads (use dfo's autotune guard
+and sequential warmup: ``run.autotune_guard: true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# --------------------------------------------------------------------------- data
+def load_shards(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """All tokens, and the document id of every token, from the shards in ``data_dir``."""
+    toks, docs = [], []
+    doc_base = 0
+    paths = sorted(glob.glob(os.path.join(data_dir, "*.tokens")))
+    if not paths:
+        sys.exit(f"no *.tokens shards in {data_dir}")
+    for p in paths:
+        with open(p, "rb") as f:
+            t = torch.frombuffer(bytearray(f.read()), dtype=torch.int32).long()
+        with open(p[: -len(".tokens")] + ".docs", "rb") as f:
+            lens = torch.frombuffer(bytearray(f.read()), dtype=torch.int32).long()
+        if int(lens.sum()) != t.numel():
+            sys.exit(f"{p}: document lengths add up to {int(lens.sum())}, shard has {t.numel()} tokens")
+        ids = torch.repeat_interleave(torch.arange(doc_base, doc_base + lens.numel()), lens)
+        doc_base += lens.numel()
+        toks.append(t)
+        docs.append(ids)
+    return torch.cat(toks), torch.cat(docs)
+
+
+def batches(tokens: torch.Tensor, doc_ids: torch.Tensor, seq_len: int, batch: int, block: int, gen: torch.Generator):
+    """Yield (inputs, doc_ids, anchor mask) of packed sequences; an anchor's block stays in its document."""
+    n_seq = (tokens.numel() - 1) // seq_len
+    while True:
+        order = torch.randperm(n_seq, generator=gen)
+        for i in range(0, n_seq - batch + 1, batch):
+            idx = order[i:i + batch, None] * seq_len + torch.arange(seq_len)
+            x, d = tokens[idx], doc_ids[idx]
+            valid = torch.zeros_like(x, dtype=torch.bool)
+            valid[:, :-block] = d[:, :-block] == d[:, block:]   # same document from anchor to block end
+            yield x, valid
+
+
+# --------------------------------------------------------------------------- models
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, kind: str) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.kind, self.heads = kind, heads
+        if kind == "fla":
+            from fla.layers import GatedDeltaNet  # GPU only
+
+            self.mix = GatedDeltaNet(hidden_size=d, num_heads=heads, head_dim=d // heads, mode="chunk")
+        else:
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.n1(x)
+        if self.kind == "fla":
+            h = self.mix(h)[0]
+        else:
+            b, t, d = h.shape
+            q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            h = self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        x = x + h
+        return x + self.mlp(self.n2(x))
+
+
+class Target(nn.Module):
+    def __init__(self, cfg: dict, kind: str) -> None:
+        super().__init__()
+        d = cfg["d_model"]
+        self.emb = nn.Embedding(cfg["vocab"], d)
+        self.blocks = nn.ModuleList(Block(d, cfg["n_heads"], kind) for _ in range(cfg["n_layers"]))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for blk in self.blocks:
+            h = blk(h)
+        return self.norm(h)
+
+
+def load_target(model_dir: str, kind: str) -> tuple[Target, dict]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    model = Target(cfg, kind)
+    with open(os.path.join(model_dir, "model.bin"), "rb") as f:
+        flat = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+    state, off = {}, 0
+    for name, shape in cfg["params"]:
+        n = math.prod(shape)
+        state[name] = flat[off:off + n].view(shape)
+        off += n
+    if off != flat.numel():
+        sys.exit(f"{model_dir}/model.bin holds {flat.numel()} floats, config.json describes {off}")
+    missing = model.load_state_dict(state, strict=(kind != "fla"))
+    if kind == "fla":
+        print(f"target: FLA mixing layers initialised from seed ({len(missing.missing_keys)} tensors)", flush=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), cfg
+
+
+class Drafter(nn.Module):
+    """Predicts tokens t+1..t+B from the target's hidden state at anchor t."""
+
+    def __init__(self, d: int, vocab: int, block: int, width: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(block, d) * 0.02)
+        self.net = nn.Sequential(nn.Linear(d, width), nn.GELU(), nn.Linear(width, width), nn.GELU())
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: (N, d) -> (N, B, vocab)
+        return self.head(self.net(h[:, None, :] + self.pos[None]))
+
+
+# --------------------------------------------------------------------------- training
+def save(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target-model", required=True)
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--target", choices=["plain", "fla"], default="plain")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dp-replicas", type=int, default=1, help="target replicas run from threads (one per GPU)")
+    ap.add_argument("--max-steps", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--max-anchors", type=int, default=512)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--log-interval", type=int, default=10)
+    ap.add_argument("--save-interval", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", action="store_true", help="sequential warmup of every replica before threads start")
+    a = ap.parse_args(argv)
+
+    torch.manual_seed(a.seed)
+    os.makedirs(a.output_dir, exist_ok=True)
+    ckpt_path = os.path.join(a.output_dir, "ckpt-last.pt")
+    tokens, doc_ids = load_shards(a.data_dir)
+    n_dev = max(1, a.dp_replicas)
+    devices = [f"cuda:{i % max(1, torch.cuda.device_count())}" for i in range(n_dev)] if a.device.startswith("cuda") else ["cpu"] * n_dev
+    targets = []
+    for dev in devices:
+        t, cfg = load_target(a.target_model, a.target)
+        targets.append(t.to(dev, dtype=torch.bfloat16 if a.target == "fla" else torch.float32))
+    drafter = Drafter(cfg["d_model"], cfg["vocab"], a.block_size, a.width).to(devices[0])
+    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr)
+    step = 0
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location=devices[0])
+        drafter.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["opt"])
+        step = ck["step"]
+        print(f"resumed from {ckpt_path} at step {step}", flush=True)
+    print(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
+          f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); replicas: {devices}", flush=True)
+    gen = torch.Generator().manual_seed(a.seed + step)
+    it = batches(tokens, doc_ids, a.seq_len, a.batch_size * n_dev, a.block_size, gen)
+    offsets = torch.arange(1, a.block_size + 1)
+
+    def target_forward(i: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return targets[i](x.to(devices[i])).float().to(devices[0])
+
+    if a.warmup and n_dev > 1:
+        sys.path.insert(0, os.environ.get("DFO_AGENT_DIR", ""))
+        from remote.gpu.warmup import sequential_warmup  # shipped by dfo on the node
+
+        x0, _ = next(it)
+        rep = sequential_warmup({devices[i]: (lambda i=i: target_forward(i, x0[: a.batch_size])) for i in range(n_dev)})
+        print(f"warmup: {json.dumps(rep, default=str)}", flush=True)
+    pool = ThreadPoolExecutor(max_workers=n_dev) if n_dev > 1 else None
+    t0, seen = time.time(), 0
+    while step < a.max_steps:
+        x, valid = next(it)
+        chunks = x.chunk(n_dev)
+        if pool is not None:
+            hidden = torch.cat(list(pool.map(target_forward, range(n_dev), chunks)))
+        else:
+            hidden = target_forward(0, x)
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        if b_idx.numel() > a.max_anchors:
+            pick = torch.randperm(b_idx.numel(), generator=gen)[: a.max_anchors]
+            b_idx, t_idx = b_idx[pick], t_idx[pick]
+        labels = x[b_idx[:, None], t_idx[:, None] + offsets].to(devices[0])
+        logits = drafter(hidden[b_idx, t_idx])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        seen += x.numel()
+        if step % a.log_interval == 0 or step == a.max_steps:
+            el = time.time() - t0
+            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} elapsed {el:.1f}s",
+                  flush=True)
+        if step % a.save_interval == 0 or step == a.max_steps:
+            save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
+    print(f"done: {step} steps, checkpoint {ckpt_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
