@@ -1,0 +1,404 @@
+"""Runs, the library side: render the command, launch detached, follow the log, status, stop.
+
+The node side is remote/runs.py (+ remote/supervisor.py). Everything here goes through
+``agent.run_module(conn, "remote.runs", {"op": ...})``; secrets travel in the request on stdin.
+
+Follow mode keeps ONE long-lived remote command per connection that streams the log's new bytes
+as framed events, each with its byte offset, plus a heartbeat every ``HEARTBEAT_S`` when the log is
+quiet. The controller holds the offset of the next byte it needs: after a dropped connection (or
+``STALL_S`` with nothing heard, which is how a dead link shows) it reconnects with backoff and
+asks again from that exact offset, so every line is shown once, in order; a line cut at a chunk
+boundary waits in ``LineSplitter`` for its end.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import secrets
+import shlex
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from remote._proto import EVENT_PREFIX, RESULT_PREFIX
+
+from ..agent import NEED_UPLOAD, module_command, parse_output, run_module, upload_agent
+from ..config import Job, LoadedJob, RunConfig, is_secret_env
+from ..connection import Connection
+from ..diagnosis import Diagnosis, diagnose
+from ..errors import ConfigError, DfoError, HostError
+
+MODULE = "remote.runs"
+HEARTBEAT_S = 2.0
+STALL_S = 8.0
+RECONNECT_BUDGET_S = 300.0
+TAIL_FOR_DIAGNOSIS = 80
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
+PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
+
+
+class RunInfo(BaseModel):
+    """One run as the node describes it (remote.runs.describe)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    job: str | None = None
+    state: str
+    started: str | None = None
+    started_ts: float | None = None
+    ended: str | None = None
+    ended_ts: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    supervisor_pid: int | None = None
+    host: str | None = None
+    run_dir: str | None = None
+    command: str | None = None
+    workdir: str | None = None
+    end: dict[str, Any] | None = None
+    last_line: str | None = None
+    log_size: int = 0
+    autotune_guard: dict[str, Any] | None = None
+    tail: list[str] | None = None
+    uploads: list[dict[str, Any]] | None = None
+    stop: str | None = None
+    stop_seconds: float | None = None
+    group_left: list[int] | None = None
+    offset: int | None = None
+
+    def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
+        if self.state not in ("failed", "lost"):
+            return []
+        lines = self.tail if self.tail else (seen or [])
+        return diagnose(lines, {**(self.end or {}), "state": self.state})
+
+    def brief_json(self) -> dict[str, Any]:
+        """The status contract: id, job, state, exit_code, started, ended (+ a few extras)."""
+        return {"id": self.id, "job": self.job, "state": self.state, "exit_code": self.exit_code,
+                "started": self.started, "ended": self.ended, "signal": self.signal, "pid": self.pid,
+                "last_line": self.last_line, "diagnosis": [d.to_json() for d in self.diagnoses()]}
+
+
+# --------------------------------------------------------------------------- job -> request
+
+
+def job_workspace(job: Job | None, host_workspace: str) -> str:
+    return (job.workspace if job is not None and job.workspace else None) or host_workspace
+
+
+def run_dir_of(workspace: str, run_id: str) -> str:
+    return f"{workspace.rstrip('/')}/.dfo/runs/{run_id}"
+
+
+def render_command(job: Job, *, run_id: str | None = None, workspace: str | None = None) -> str:
+    """The job's run.command with {python}, {model.dest}, {data.dest}, {workspace}, {run_id},
+    {run_dir} filled in (values shell-quoted). ``${VAR}`` and other braces are left to bash; an
+    unknown ``{name}`` is an error. Without ``run_id``, {run_id} and {run_dir} stay as they are."""
+    if job.run is None:
+        raise ConfigError(f"job {job.name}: no 'run:' section", hint="add run: {command: ...} to the job file")
+    ws = workspace or job.workspace or "/workspace"
+    values: dict[str, str | None] = {
+        "python": job.venv_python, "workspace": ws,
+        "model.dest": job.model.dest if job.model else None, "data.dest": job.data.dest if job.data else None,
+        "run_id": run_id, "run_dir": run_dir_of(ws, run_id) if run_id else None,
+    }
+
+    def sub(m: re.Match[str]) -> str:
+        key = m.group(1)
+        if key not in values:
+            raise ConfigError(f"job {job.name}: run.command: unknown placeholder {{{key}}}",
+                              hint=f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}; write ${{VAR}} for bash")
+        value = values[key]
+        if value is None:
+            if key in ("run_id", "run_dir"):
+                return m.group(0)
+            section = key.split(".")[0]
+            raise ConfigError(f"job {job.name}: run.command uses {{{key}}} but the job has no '{section}:' section",
+                              hint=f"add {section}: {{source: ..., dest: ...}} or drop {{{key}}}")
+        return shlex.quote(value)
+
+    return _PLACEHOLDER.sub(sub, job.run.command).strip()
+
+
+def new_run_id(job_name: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{job_name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
+    """(plain, secret) environment for the trainer. Secret names (orchestrator.config.is_secret_env)
+    keep their values off the node's disk; a run.secret_env name absent from run.env takes its value
+    from this shell's environment."""
+    job, run = loaded.job, loaded.need("run")
+    assert isinstance(run, RunConfig)
+    plain = {k: v for k, v in run.env.items() if not is_secret_env(k, job)}
+    secret = {k: v for k, v in run.env.items() if is_secret_env(k, job)}
+    for name in run.secret_env:
+        if name not in run.env:
+            value = os.environ.get(name)
+            if value is None:
+                raise ConfigError(f"{loaded.path}: run.secret_env: {name} is not set in this shell's environment",
+                                  hint=f"export {name}=... before launching (it reaches the node on stdin only)")
+            secret[name] = value
+    return plain, secret
+
+
+def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
+    """run.upload files (relative to the job file), each to land as run.workdir/<its file name>."""
+    run = loaded.need("run")
+    assert isinstance(run, RunConfig)
+    out: list[dict[str, Any]] = []
+    for rel in run.upload:
+        local = loaded.path.parent / rel
+        if not local.is_file():
+            raise ConfigError(f"{loaded.path}: run.upload: {local} is not a file", hint="paths are relative to the job file")
+        clash = [u for u in out if u["path"] == local.name]
+        if clash:
+            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} and {clash[0]['_rel']!r} would both land as "
+                              f"{local.name} in run.workdir", hint="rename one of them")
+        data = local.read_bytes()
+        out.append({"path": local.name, "sha256": hashlib.sha256(data).hexdigest(),
+                    "mode": local.stat().st_mode & 0o777, "_local": str(local), "_rel": rel})
+    return out
+
+
+def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None) -> RunInfo:
+    """Start the job's run detached on the node; returns once the trainer has a pid."""
+    job = loaded.job
+    run = loaded.need("run")
+    assert isinstance(run, RunConfig)
+    workspace = job_workspace(job, conn.host.workspace)
+    rid = run_id or new_run_id(job.name)
+    plain, secret = split_env(loaded)
+    uploads = collect_uploads(loaded)
+    req: dict[str, Any] = {
+        "op": "launch", "workspace": workspace, "run_id": rid, "job": job.name, "host": conn.host.name,
+        "command": render_command(job, run_id=rid, workspace=workspace), "workdir": run.workdir,
+        "env": plain, "secret_env": secret, "force": force, "autotune_guard": run.autotune_guard,
+        "stop_grace": run.stop_grace, "job_file": str(loaded.path),
+        "uploads": [{k: v for k, v in u.items() if not k.startswith("_")} for u in uploads],
+    }
+    data = run_module(conn, MODULE, req, timeout=120)
+    if "need" in data:  # some files differ on the node: send their content (only theirs)
+        need = set(data["need"])
+        for up, local in zip(req["uploads"], uploads, strict=True):
+            if up["path"] in need:
+                up["content_b64"] = base64.b64encode(Path(local["_local"]).read_bytes()).decode()
+        data = run_module(conn, MODULE, req, timeout=600)
+    return RunInfo.model_validate(data)
+
+
+# --------------------------------------------------------------------------- status / stop / read
+
+
+def status(conn: Connection, workspace: str, run: str | None = None, job: str | None = None,
+           limit: int = 20) -> list[RunInfo]:
+    data = run_module(conn, MODULE, {"op": "status", "workspace": workspace, "run": run, "job": job,
+                                     "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
+    return [RunInfo.model_validate(r) for r in data["runs"]]
+
+
+def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None) -> RunInfo:
+    timeout = (grace if grace is not None else 300.0) + 60
+    data = run_module(conn, MODULE, {"op": "stop", "workspace": workspace, "run": run, "grace": grace,
+                                     "job": job}, timeout=timeout)
+    return RunInfo.model_validate(data)
+
+
+def _chunk(ev: dict[str, Any]) -> bytes:
+    if "t" in ev:
+        return str(ev["t"]).encode("utf-8")
+    return base64.b64decode(ev.get("d") or "")
+
+
+class LineSplitter:
+    """Bytes in, complete lines out (without the newline); a partial line waits for its end."""
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        self.on_line = on_line
+        self.pending = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.pending += data
+        start = 0
+        while True:
+            i = self.pending.find(b"\n", start)
+            if i < 0:
+                break
+            self.on_line(bytes(self.pending[start:i]).decode("utf-8", "replace"))
+            start = i + 1
+        del self.pending[:start]
+
+    def flush(self) -> None:
+        if self.pending:
+            self.on_line(bytes(self.pending).decode("utf-8", "replace"))
+            self.pending.clear()
+
+
+def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
+               job: str | None = None) -> RunInfo:
+    """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end."""
+    split, offset, step = LineSplitter(on_line), None, 4 << 20
+    while True:
+        req = {"op": "read", "workspace": workspace, "run": run, "job": job, "offset": offset, "lines": lines,
+               "max_bytes": step, "tail": TAIL_FOR_DIAGNOSIS}
+        data = run_module(conn, MODULE, req, timeout=120)
+        run = data["id"]
+        chunk = _chunk(data)
+        split.feed(chunk)
+        offset = data["next_offset"]
+        if len(chunk) < step:
+            split.flush()
+            return RunInfo.model_validate(data)
+
+
+# --------------------------------------------------------------------------- follow
+
+
+class _Watchdog:
+    """Closes the connection when nothing (not even a heartbeat) arrived for ``stall_s``: a dead
+    link looks like silence, and closing is what makes the blocked call return."""
+
+    def __init__(self, conn: Connection, stall_s: float) -> None:
+        self.conn, self.stall_s = conn, stall_s
+        self.last = time.monotonic()
+        self.armed = self.fired = False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name=f"dfo-watchdog-{conn.name}").start()
+
+    def arm(self) -> None:
+        self.last, self.fired, self.armed = time.monotonic(), False, True
+
+    def _run(self) -> None:
+        while not self._done.wait(0.5):
+            if self.armed and time.monotonic() - self.last > self.stall_s:
+                self.armed, self.fired = False, True
+                self.conn.close()
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def _stream(conn: Connection, req: dict[str, Any], timeout: float, on_event: Callable[[dict[str, Any]], None]) -> Any:
+    """run_module for the long-lived follow command, with one difference: a channel that closed
+    without an exit status (exit -1: the connection died under it) raises HostError, so the
+    caller reconnects instead of mistaking it for an answer."""
+    payload = json.dumps(req)
+
+    def on_line(line: str) -> None:
+        if line.startswith(EVENT_PREFIX):
+            try:
+                ev = json.loads(line[len(EVENT_PREFIX):])
+            except ValueError:
+                return
+            on_event(ev)
+
+    cmd = module_command(MODULE, conn.host.python)
+    res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+    if res.exit_code == NEED_UPLOAD:
+        upload_agent(conn)
+        res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+    if res.exit_code == -1 and RESULT_PREFIX not in res.stdout:
+        raise HostError("connection lost while following the log", host=conn.name)
+    return parse_output(conn, res, MODULE)
+
+
+def follow(
+    conn: Connection,
+    workspace: str,
+    *,
+    run: str | None = None,
+    job: str | None = None,
+    lines: int | str | None = None,
+    max_seconds: float | None = None,
+    on_line: Callable[[str], None],
+    on_note: Callable[[str], None] | None = None,
+    stall_s: float = STALL_S,
+    reconnect_budget_s: float = RECONNECT_BUDGET_S,
+) -> RunInfo:
+    """Print the run's log line by line until it ends and is drained (or ``max_seconds`` pass).
+
+    Returns the run as it stands at the end (``state`` is still "running" when ``max_seconds`` ran
+    out first). ``lines``: start at the last N lines, or at line "+N"; None means the whole log.
+    """
+    split = LineSplitter(on_line)
+    offset: int | None = None
+    t_end = time.monotonic() + max_seconds if max_seconds is not None else None
+    dog = _Watchdog(conn, stall_s)
+    attempt, lost_since = 0, None
+
+    def on_event(ev: dict[str, Any]) -> None:
+        nonlocal offset, run, attempt, lost_since
+        dog.last = time.monotonic()
+        attempt, lost_since = 0, None
+        if "start" in ev:
+            run = ev["run"]
+            if offset is None:
+                offset = int(ev["start"])
+            return
+        if "o" not in ev or offset is None:
+            return
+        data, at = _chunk(ev), int(ev["o"])
+        if at > offset and on_note:
+            on_note(f"{at - offset} bytes of the log were skipped (was the log truncated?)")
+        if at < offset:
+            data = data[offset - at:]
+        split.feed(data)
+        offset = max(offset, at) + len(data)
+
+    try:
+        while True:
+            remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
+            req = {"op": "follow", "workspace": workspace, "run": run, "job": job, "offset": offset,
+                   "lines": lines, "max_seconds": remaining, "heartbeat": HEARTBEAT_S, "tail": TAIL_FOR_DIAGNOSIS}
+            dog.arm()
+            try:
+                data = _stream(conn, req, 1e9 if remaining is None else remaining + 120, on_event)
+            except HostError as exc:
+                lost_since = lost_since or time.monotonic()
+                why = f"nothing heard for {stall_s:g}s" if dog.fired else exc.message
+                if time.monotonic() - lost_since > reconnect_budget_s:
+                    raise HostError(f"lost the connection for over {reconnect_budget_s:g}s: {why}", host=conn.name,
+                                    hint=f"the run is not affected; resume with: dfo tail -H {conn.name} {run or ''}") from None
+                if on_note:
+                    on_note(f"connection to {conn.name} lost ({why}); reconnecting")
+                attempt = _reconnect(conn, attempt, lost_since, reconnect_budget_s, run)
+                if on_note:
+                    on_note(f"reconnected to {conn.name}; resuming {run or 'the run'} at byte {offset or 0}")
+                continue
+            finally:
+                dog.armed = False
+            info = RunInfo.model_validate(data)
+            if info.state != "running":
+                split.flush()
+            return info
+    finally:
+        dog.close()
+
+
+def _reconnect(conn: Connection, attempt: int, lost_since: float, budget: float, run: str | None) -> int:
+    """Reconnect with exponential backoff (0.5 s doubling to 8 s) until ``budget`` s after the loss."""
+    while True:
+        time.sleep(min(0.5 * 2 ** attempt, 8.0))
+        attempt += 1
+        try:
+            conn.reconnect()
+        except DfoError as exc:
+            if time.monotonic() - lost_since > budget:
+                raise HostError(f"lost the connection and could not reconnect for {budget:g}s: {exc.message}",
+                                host=conn.name,
+                                hint=f"the run is not affected; resume with: dfo tail -H {conn.name} {run or ''}") from None
+            continue
+        return attempt

@@ -1,0 +1,451 @@
+"""Runs on the node: launch (detached), status, read, follow, stop (python3 3.8+, stdlib only).
+
+Each run has a directory ``<workspace>/.dfo/runs/<run-id>/`` holding meta.json (written by the
+supervisor once the trainer started), log (the trainer's stdout+stderr), end.json (how it ended),
+stop.json (a stop was asked for) and, with the autotune guard, autotune_guard.jsonl. Every JSON
+file is written to a temp name and renamed. ``python3 -m remote.runs`` reads ``{"op": ...}``.
+"""
+import base64
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from remote import supervisor as rec
+from remote._proto import RemoteError, emit_event, main
+
+AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DROP_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK")
+
+
+def runs_root(req):
+    return os.path.join(req.get("workspace") or "/workspace", ".dfo", "runs")
+
+
+# --------------------------------------------------------------------------- state of a run
+
+
+def resolve(req):
+    """The run directory named by req["run"] (an id or a unique prefix), or the newest one."""
+    root = runs_root(req)
+    runs = rec.list_runs(root, req.get("job"))
+    want = req.get("run")
+    where = "under %s" % root
+    if not want:
+        if not runs:
+            raise RemoteError("usage", "no runs %s%s" % (where, " for job %s" % req["job"] if req.get("job") else ""),
+                              hint="start one with: dfo launch -H HOST -j JOB")
+        return runs[0][1], runs[0][2]
+    exact = [r for r in runs if r[1] == want]
+    hits = exact or [r for r in runs if r[1].startswith(want)]
+    if len(hits) == 1:
+        return hits[0][1], hits[0][2]
+    if not hits:
+        raise RemoteError("usage", "no run %r %s" % (want, where), hint="dfo status -H HOST lists the runs")
+    raise RemoteError("usage", "run %r is ambiguous: %s" % (want, ", ".join(r[1] for r in hits[:5])),
+                      hint="give more of the id")
+
+
+def guard_info(run_dir, meta):
+    if not (meta or {}).get("autotune_guard"):
+        return None
+    records = []
+    try:
+        with open(os.path.join(run_dir, rec.GUARD_LOG)) as f:
+            for ln in f:
+                try:
+                    records.append(json.loads(ln))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    installed = any(isinstance(r, dict) and (r.get("installed") is True or r.get("event") == "installed")
+                    for r in records)
+    return {"enabled": True, "installed": installed, "records": len(records), "last": records[-1] if records else None}
+
+
+def describe(run_id, run_dir, tail=0, state=None):
+    state, meta, end = state or rec.run_state(run_dir)
+    meta = meta or {}
+    log = os.path.join(run_dir, rec.LOG)
+    last = rec.tail_lines(log, 1)
+    info = {
+        "id": run_id, "job": meta.get("job"), "state": state, "started": meta.get("started"),
+        "started_ts": meta.get("started_ts"), "ended": (end or {}).get("ended"),
+        "ended_ts": (end or {}).get("ended_ts"), "exit_code": (end or {}).get("exit_code"),
+        "signal": (end or {}).get("signal"), "pid": meta.get("pid"), "pgid": meta.get("pgid"),
+        "supervisor_pid": meta.get("supervisor_pid"), "host": meta.get("host"), "run_dir": run_dir,
+        "command": meta.get("command"), "workdir": meta.get("workdir"), "end": end,
+        "last_line": last[-1] if last else None, "log_size": _size(log),
+        "autotune_guard": guard_info(run_dir, meta),
+    }
+    if tail and state in ("failed", "lost"):
+        info["tail"] = rec.tail_lines(log, tail)
+    if state == "lost":
+        info["group_left"] = rec.leftovers(meta)
+    return info
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _safe_rel(rel):
+    norm = os.path.normpath(rel)
+    if os.path.isabs(norm) or norm == ".." or norm.startswith("../"):
+        raise RemoteError("config", "run.upload: %r leaves the working directory" % rel,
+                          hint="list files under the job file's folder")
+    return norm
+
+
+def sync_uploads(workdir, uploads):
+    """Write changed uploads into ``workdir``; [need] when some changed file came without content."""
+    need, done = [], []
+    for up in uploads:
+        dest = os.path.join(workdir, _safe_rel(up["path"]))
+        same = _sha256(dest) == up["sha256"]
+        if not same and up.get("content_b64") is None:
+            need.append(up["path"])
+        done.append((up, dest, same))
+    if need:
+        return need, []
+    report = []
+    for up, dest, same in done:
+        if not same:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            data = base64.b64decode(up["content_b64"])
+            if hashlib.sha256(data).hexdigest() != up["sha256"]:
+                raise RemoteError("verify", "run.upload %s: content does not match its sha256" % up["path"])
+            tmp = "%s.dfo-%d.tmp" % (dest, os.getpid())
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, up.get("mode", 0o644) & 0o777)
+            os.replace(tmp, dest)
+            if _sha256(dest) != up["sha256"]:
+                raise RemoteError("verify", "run.upload %s: written file does not match its sha256" % up["path"])
+        report.append({"path": up["path"], "sha256": up["sha256"], "changed": not same})
+    return [], report
+
+
+def trainer_env(req, run_id, run_dir):
+    env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
+    shown = {"PYTHONUNBUFFERED": "1", "DFO_RUN_ID": run_id, "DFO_RUN_DIR": run_dir, "DFO_AGENT_DIR": AGENT_DIR}
+    shown.update(req.get("env") or {})
+    if req.get("autotune_guard"):
+        parts = [os.path.join(AGENT_DIR, "remote", "gpu", "sitecustomize_guard"), AGENT_DIR]
+        if shown.get("PYTHONPATH"):
+            parts.append(shown["PYTHONPATH"])
+        shown["PYTHONPATH"] = os.pathsep.join(parts)
+        shown["DFO_AUTOTUNE_GUARD_LOG"] = os.path.join(run_dir, rec.GUARD_LOG)
+    env.update(shown)
+    env.update(req.get("secret_env") or {})
+    return env, shown
+
+
+def live_runs(root, job):
+    return [(rid, d) for _, rid, d in rec.list_runs(root, job) if rec.run_state(d)[0] == "running"]
+
+
+def launch(req):
+    run_id, job = req["run_id"], req["job"]
+    if not _RUN_ID.match(run_id):
+        raise RemoteError("usage", "bad run id %r" % run_id)
+    root = runs_root(req)
+    os.makedirs(root, exist_ok=True)
+    lock = open(os.path.join(root, ".launch.lock"), "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # one launch at a time per workspace: check + start is atomic
+    try:
+        live = live_runs(root, job)
+        if live and not req.get("force"):
+            rid, d = live[0]
+            meta = rec.read_json(os.path.join(d, rec.META)) or {}
+            raise RemoteError(
+                "usage", "job %s already has a live run here: %s (pid %s, started %s)"
+                % (job, rid, meta.get("pid"), meta.get("started")),
+                hint="follow it: dfo tail -H %s %s; stop it: dfo stop -H %s %s; or launch anyway with --force"
+                % (req.get("host"), rid, req.get("host"), rid), running=rid)
+        workdir = req["workdir"]
+        try:
+            os.makedirs(workdir, exist_ok=True)
+        except OSError as exc:
+            raise RemoteError("config", "run.workdir %s: %s" % (workdir, exc.strerror)) from None
+        need, uploads = sync_uploads(workdir, req.get("uploads") or [])
+        if need:
+            return {"need": need}
+        run_dir = os.path.join(root, run_id)
+        try:
+            os.mkdir(run_dir)
+        except FileExistsError:
+            raise RemoteError("usage", "run id %s exists already under %s" % (run_id, root)) from None
+        return _start(req, run_id, run_dir, uploads)
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+def _start(req, run_id, run_dir, uploads):
+    env, shown = trainer_env(req, run_id, run_dir)
+    meta = {
+        "id": run_id, "job": req["job"], "host": req.get("host"), "command": req["command"],
+        "workdir": req["workdir"], "env": shown, "secret_env": sorted(req.get("secret_env") or {}),
+        "uploads": uploads, "autotune_guard": bool(req.get("autotune_guard")), "job_file": req.get("job_file"),
+        "stop_grace": req.get("stop_grace"), "log": os.path.join(run_dir, rec.LOG), "agent_dir": AGENT_DIR,
+    }
+    spec = json.dumps({"command": req["command"], "workdir": req["workdir"], "env": env, "meta": meta})
+    sup_env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
+    sup_env.update({"PYTHONPATH": AGENT_DIR, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
+    r, w = os.pipe()
+    log_fd = os.open(os.path.join(run_dir, rec.LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        sup = subprocess.Popen(
+            [sys.executable, "-m", "remote.supervisor", run_dir, str(w)], cwd=AGENT_DIR, env=sup_env,
+            stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, start_new_session=True, pass_fds=(w,),
+        )
+    finally:
+        os.close(w)
+        os.close(log_fd)
+    sup.stdin.write(spec.encode())
+    sup.stdin.close()
+    raw, deadline = b"", time.time() + 30
+    while time.time() < deadline:
+        ready, _, _ = select.select([r], [], [], 0.5)
+        if ready:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            raw += chunk
+    os.close(r)
+    try:
+        got = json.loads(raw.decode() or "{}")
+    except ValueError:
+        got = {}
+    if "pid" not in got:
+        why = got.get("error") or "the supervisor did not report (see %s)" % os.path.join(run_dir, rec.LOG)
+        raise RemoteError("run_failed", "could not start the trainer: %s" % why, run=run_id)
+    info = describe(run_id, run_dir)
+    info["uploads"] = uploads
+    return info
+
+
+# --------------------------------------------------------------------------- read / follow
+
+
+def _chunk_event(offset, data):
+    try:
+        return {"o": offset, "t": data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"o": offset, "d": base64.b64encode(data).decode()}
+
+
+def start_offset(log, req):
+    if req.get("offset") is not None:
+        return int(req["offset"])
+    if not os.path.exists(log):
+        return 0
+    lines = req.get("lines")
+    if lines is None:
+        return 0
+    if isinstance(lines, str) and lines.startswith("+"):
+        return rec.offset_of_line(log, int(lines[1:]))
+    return rec.offset_of_last_lines(log, int(lines))
+
+
+def read(req):
+    run_id, run_dir = resolve(req)
+    state = rec.run_state(run_dir)
+    log = os.path.join(run_dir, rec.LOG)
+    offset = start_offset(log, req)
+    data = b""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            data = f.read(int(req.get("max_bytes") or 1 << 20))
+    except OSError:
+        pass
+    info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=state)
+    info.update(_chunk_event(offset, data))
+    info["next_offset"] = offset + len(data)
+    return info
+
+
+class _Watch:
+    """Wake on writes to the log or files appearing in the run dir (inotify via ctypes), else poll."""
+
+    def __init__(self, run_dir, log):
+        self.fd = None
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd >= 0:
+                ok = libc.inotify_add_watch(fd, log.encode(), 0x2) >= 0  # IN_MODIFY
+                ok = libc.inotify_add_watch(fd, run_dir.encode(), 0x80 | 0x100) >= 0 and ok  # MOVED_TO|CREATE
+                if ok:
+                    self.fd = fd
+                else:
+                    os.close(fd)
+        except (OSError, AttributeError, ImportError):
+            self.fd = None
+
+    def wait(self, timeout):
+        if self.fd is None:
+            time.sleep(min(timeout, 0.05))
+            return
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if ready:
+            try:
+                while os.read(self.fd, 65536):
+                    pass
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    raise
+
+
+def follow(req):
+    """Stream the log from an offset as events until the run has ended and the log is drained."""
+    run_id, run_dir = resolve(req)
+    log = os.path.join(run_dir, rec.LOG)
+    offset = start_offset(log, req)
+    hb = float(req.get("heartbeat") or 2.0)
+    deadline = time.time() + float(req["max_seconds"]) if req.get("max_seconds") is not None else None
+    state = rec.run_state(run_dir)
+    meta = state[1] or {}
+    emit_event({"start": offset, "run": run_id, "job": meta.get("job"), "pid": meta.get("pid")})
+    watch = _Watch(run_dir, log)
+    f = None
+    last_sent = last_check = time.time()
+    ended = state if state[0] != "running" else None
+    while True:
+        if f is None and os.path.exists(log):
+            f = open(log, "rb")
+            f.seek(offset)
+        data = f.read(rec.CHUNK) if f is not None else b""
+        if data:
+            emit_event(_chunk_event(offset, data))
+            offset += len(data)
+            last_sent = time.time()
+            if deadline is not None and last_sent >= deadline and ended is None:
+                break
+            continue
+        if ended is not None:
+            break  # the run had ended before this read reached the end of the log: drained
+        now = time.time()
+        if now - last_check >= 0.5:
+            last_check = now
+            st = rec.run_state(run_dir)
+            if st[0] != "running":
+                ended = st
+                continue
+        if deadline is not None and now >= deadline:
+            break
+        if now - last_sent >= hb:
+            emit_event({"hb": offset})
+            last_sent = now
+        watch.wait(0.5)
+    info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=ended or rec.run_state(run_dir))
+    info["offset"] = offset
+    return info
+
+
+# --------------------------------------------------------------------------- stop
+
+
+def _signal_group(meta, sig):
+    if rec.leftovers(meta):
+        try:
+            os.killpg(meta["pgid"], sig)
+        except OSError:
+            pass
+
+
+def _wait_gone(meta, seconds):
+    deadline = time.time() + seconds
+    while rec.leftovers(meta) or rec.proc_alive(meta.get("pid"), meta.get("pid_starttime")):
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stop(req):
+    """SIGTERM to the run's process group, ``grace`` seconds, SIGKILL; recorded as stopped. A lost
+    run whose group still has processes (the trainer's children) gets the same treatment."""
+    run_id, run_dir = resolve(req)
+    state, meta, end = rec.run_state(run_dir)
+    if state != "running" and not (state == "lost" and rec.leftovers(meta or {})):
+        info = describe(run_id, run_dir, state=(state, meta, end))
+        info["stop"] = "nothing to stop: the run is %s" % state
+        return info
+    grace = float(req.get("grace") if req.get("grace") is not None else meta.get("stop_grace") or 30)
+    t0 = time.time()
+    rec.write_json(os.path.join(run_dir, rec.STOP), {"requested": rec.now_iso(), "grace": grace})
+    _signal_group(meta, signal.SIGTERM)
+    sent = "SIGTERM"
+    if not _wait_gone(meta, grace):
+        _signal_group(meta, signal.SIGKILL)
+        sent = "SIGTERM, then SIGKILL after %gs" % grace
+        _wait_gone(meta, 10)
+    end_path = os.path.join(run_dir, rec.END)
+    deadline = time.time() + 10
+    while rec.read_json(end_path) is None and time.time() < deadline:
+        if not rec.proc_alive(meta.get("supervisor_pid"), meta.get("supervisor_starttime")):
+            break
+        time.sleep(0.05)
+    if rec.read_json(end_path) is None:  # no supervisor to record it: record the stop here
+        rec.write_json(end_path, {"ended": rec.now_iso(), "ended_ts": time.time(), "exit_code": None, "signal": None,
+                                  "stopped": True, "oom_suspected": False,
+                                  "note": "recorded by dfo stop (was %s: the supervisor was gone)" % state})
+    info = describe(run_id, run_dir)
+    info["stop"] = sent
+    info["stop_seconds"] = round(time.time() - t0, 3)
+    info["group_left"] = rec.leftovers(meta)
+    return info
+
+
+def status(req):
+    root = runs_root(req)
+    if req.get("run"):
+        run_id, run_dir = resolve(req)
+        return {"runs": [describe(run_id, run_dir, tail=int(req.get("tail") or 0))]}
+    runs = rec.list_runs(root, req.get("job"))[: int(req.get("limit") or 20)]
+    return {"runs": [describe(rid, d, tail=int(req.get("tail") or 0)) for _, rid, d in runs]}
+
+
+OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop": stop}
+
+
+def handle(req):
+    op = OPS.get(req.get("op"))
+    if op is None:
+        raise RemoteError("usage", "unknown op %r" % req.get("op"))
+    return op(req)
+
+
+if __name__ == "__main__":
+    main(handle)

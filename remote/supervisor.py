@@ -1,0 +1,341 @@
+"""The run supervisor, and the process/record helpers it shares with remote.runs (python3 3.8+, stdlib).
+
+``python3 -m remote.supervisor RUN_DIR STATUS_FD`` is started by ``remote.runs`` in a new session
+(setsid), stdin a pipe, stdout/stderr the run's log. It reads its spec (JSON: the command, working
+directory, the trainer's full environment -- secrets included -- and the static part of meta.json)
+from stdin until EOF, then points stdin at /dev/null, so secrets never touch the disk or argv.
+
+It starts the trainer with ``bash -c COMMAND`` in its own session and process group (``dfo stop``
+signals the group), writes meta.json (with pids and their /proc start times, so a reused pid is
+never mistaken for the run), reports ``{"pid": ...}`` on STATUS_FD and closes it, waits, and writes
+end.json: exit code or signal, end time, whether a stop was asked for, and for a SIGKILL nobody
+asked for, the likely-OOM hint with the kernel's word where the node lets it be read.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+META = "meta.json"
+END = "end.json"
+STOP = "stop.json"
+LOG = "log"
+GUARD_LOG = "autotune_guard.jsonl"
+
+
+def now_iso(ts=None):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if ts is None else ts))
+
+
+def write_json(path, obj):
+    """Write JSON by temp name + rename: a reader sees the old file or the new one, never half."""
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def proc_stat(pid):
+    """(state letter, pgrp, starttime in clock ticks since boot) of a live pid, or None."""
+    try:
+        with open("/proc/%d/stat" % int(pid)) as f:
+            data = f.read()
+    except (OSError, ValueError, TypeError):
+        return None
+    fields = data.rsplit(")", 1)[-1].split()
+    # fields[0] is field 3 (state); pgrp is field 5; starttime is field 22
+    try:
+        return fields[0], int(fields[2]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_alive(pid, starttime):
+    """True when ``pid`` is alive, not a zombie, and is the same process (same start time)."""
+    if not pid:
+        return False
+    st = proc_stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return False
+    return starttime is None or st[2] == starttime
+
+
+def group_members(pgid):
+    """Pids of live (non-zombie) processes whose process group is ``pgid``."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
+                out.append(int(name))
+    return out
+
+
+def leftovers(meta):
+    """Live processes of the run's process group, unless that pgid is no longer the run's."""
+    pgid = meta.get("pgid")
+    if not pgid or (meta.get("boot_id") and meta.get("boot_id") != boot_id()):
+        return []
+    leader = proc_stat(pgid)
+    if leader is not None and meta.get("pid_starttime") is not None and leader[2] != meta["pid_starttime"]:
+        return []  # a new process got the pid and leads its own group: not ours
+    return group_members(pgid)  # (Linux never hands out a pid still in use as a pgid)
+
+
+def cgroup_oom_kills():
+    """The oom_kill counter of this process's cgroup (v2), or None where it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = [ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")]
+        if not rel:
+            return None
+        with open("/sys/fs/cgroup" + rel[0].rstrip("/") + "/memory.events") as f:
+            for ln in f:
+                if ln.startswith("oom_kill "):
+                    return int(ln.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+_OOM_LINE = re.compile(r"out of memory|oom-kill|oom_reaper|killed process|memory cgroup out of memory", re.I)
+
+
+def _kmsg_lines(limit=4000):
+    lines = []
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        while len(lines) < 100000:
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: a record was overwritten while reading; go on
+                continue
+            if not rec:
+                break
+            head, _, msg = rec.decode("utf-8", "replace").partition(";")
+            lines.append(msg.split("\n", 1)[0])
+    finally:
+        os.close(fd)
+    return lines[-limit:]
+
+
+def _cmd_lines(argv):
+    try:
+        res = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if res.returncode != 0:
+        return None
+    return res.stdout.decode("utf-8", "replace").splitlines()[-4000:]
+
+
+def kernel_oom_words(pids):
+    """(source, lines): the kernel's OOM lines, those naming ``pids`` first; source None if unreadable."""
+    for source, getter in (("dmesg", lambda: _cmd_lines(["dmesg"])),
+                           ("/dev/kmsg", _kmsg_lines),
+                           ("journalctl", lambda: _cmd_lines(["journalctl", "-k", "-n", "2000", "--no-pager", "-q"]))):
+        lines = getter()
+        if lines is None:
+            continue
+        hits = [ln.strip() for ln in lines if _OOM_LINE.search(ln)]
+        mine = [ln for ln in hits if any(re.search(r"\b%d\b" % p, ln) for p in pids)]
+        return source, (mine or hits)[-4:]
+    return None, []
+
+
+CHUNK = 65536
+
+
+def run_state(run_dir, meta=None):
+    """(state, meta, end): running / succeeded / failed / stopped / lost."""
+    meta = meta if meta is not None else read_json(os.path.join(run_dir, META))
+    end = read_json(os.path.join(run_dir, END))
+    if end is None and meta is not None:
+        same_boot = not meta.get("boot_id") or meta.get("boot_id") == boot_id()
+        if same_boot and (proc_alive(meta.get("supervisor_pid"), meta.get("supervisor_starttime"))
+                          or proc_alive(meta.get("pid"), meta.get("pid_starttime"))):
+            return "running", meta, None
+        end = read_json(os.path.join(run_dir, END))  # it may have ended between the two reads
+    if end is None:
+        return "lost", meta, None
+    if end.get("stopped"):
+        return "stopped", meta, end
+    return ("succeeded" if end.get("exit_code") == 0 else "failed"), meta, end
+
+
+def list_runs(root, job=None):
+    """[(started_ts, run_id, run_dir)] newest first."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        d = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(d):
+            continue
+        meta = read_json(os.path.join(d, META))
+        if meta is None:
+            continue  # a launch that never started its trainer (or is starting right now)
+        if job and meta.get("job") != job:
+            continue
+        out.append((meta.get("started_ts") or os.path.getmtime(d), name, d))
+    out.sort(reverse=True)
+    return out
+
+
+def tail_lines(path, n, max_bytes=262144):
+    if n <= 0:
+        return []
+    try:
+        start = max(offset_of_last_lines(path, n), os.path.getsize(path) - max_bytes)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-n:]
+
+
+def offset_of_last_lines(path, n):
+    """Byte offset where the last ``n`` lines of ``path`` begin (a final partial line counts as one)."""
+    size = os.path.getsize(path)
+    if n <= 0:
+        return size
+    with open(path, "rb") as f:
+        end = size
+        if size:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                end = size - 1
+        count, pos = 0, end
+        while pos > 0:
+            step = min(CHUNK, pos)
+            pos -= step
+            f.seek(pos)
+            block = f.read(step)
+            idx = len(block)
+            while True:
+                idx = block.rfind(b"\n", 0, idx)
+                if idx < 0:
+                    break
+                count += 1
+                if count == n:
+                    return pos + idx + 1
+    return 0
+
+
+def offset_of_line(path, lineno):
+    """Byte offset where line ``lineno`` (1-based) begins, like ``tail -n +N``."""
+    skip, off = max(lineno - 1, 0), 0
+    with open(path, "rb") as f:
+        while skip:
+            block = f.read(CHUNK)
+            if not block:
+                return off
+            i = 0
+            while skip:
+                j = block.find(b"\n", i)
+                if j < 0:
+                    break
+                skip -= 1
+                i = j + 1
+            off += i if not skip else len(block)
+    return off
+
+
+def supervise(run_dir, status_fd):
+    spec = json.loads(sys.stdin.read() or "{}")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    log_fd = os.open(os.path.join(run_dir, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    oom_before = cgroup_oom_kills()
+    try:
+        proc = subprocess.Popen(
+            ["bash", "-c", spec["command"]], cwd=spec["workdir"], env=spec["env"],
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True, close_fds=True,
+        )
+    except OSError as exc:
+        os.write(status_fd, json.dumps({"error": "%s: %s" % (type(exc).__name__, exc)}).encode())
+        os.close(status_fd)
+        return 1
+    os.close(log_fd)
+    spec["env"] = None  # drop the secrets from this process as soon as the trainer has them
+    st = proc_stat(proc.pid)
+    me = proc_stat(os.getpid())
+    meta = dict(spec["meta"])
+    meta.update({
+        "pid": proc.pid, "pgid": proc.pid, "pid_starttime": st[2] if st else None,
+        "supervisor_pid": os.getpid(), "supervisor_starttime": me[2] if me else None,
+        "boot_id": boot_id(), "started": now_iso(), "started_ts": time.time(),
+    })
+    write_json(os.path.join(run_dir, META), meta)
+    os.write(status_fd, json.dumps({"pid": proc.pid, "pgid": proc.pid, "supervisor_pid": os.getpid()}).encode())
+    os.close(status_fd)
+
+    def forward(signum, frame):  # someone ends the supervisor: end the trainer the same way, keep recording
+        try:
+            os.killpg(proc.pid, signum)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    code = proc.wait()
+    end = {"ended": now_iso(), "ended_ts": time.time(), "exit_code": None, "signal": None, "oom_suspected": False}
+    if code < 0:
+        try:
+            end["signal"] = signal.Signals(-code).name
+        except ValueError:
+            end["signal"] = "signal %d" % -code
+    else:
+        end["exit_code"] = code
+    stop = read_json(os.path.join(run_dir, STOP))
+    end["stopped"] = stop is not None
+    killed = end["signal"] == "SIGKILL" or code == 128 + signal.SIGKILL
+    if killed and stop is None:
+        end["oom_suspected"] = True
+        source, lines = kernel_oom_words([proc.pid])
+        end["kernel_source"], end["kernel"] = source, lines
+        after = cgroup_oom_kills()
+        if oom_before is not None and after is not None:
+            end["cgroup_oom_kills"] = after - oom_before
+    write_json(os.path.join(run_dir, END), end)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1], int(sys.argv[2])))
