@@ -62,23 +62,27 @@ def test_inventory_file_describes_the_nodes(testbed: Testbed) -> None:
         assert inv["hosts"][n.name] == {"host": n.address, "port": n.port}
 
 
-def test_node_hides_controller_files(testbed: Testbed) -> None:
+def test_node_hides_controller_files(testbed: Testbed, tmp_path: Path) -> None:
     need_isolation(testbed)
+    marker = tmp_path / "host-only"
+    marker.write_text("controller side")
+    name = "from-node-" + os.urandom(3).hex()
     script = textwrap.dedent(f"""\
         command -v python3
         python3 -c 'import boto3' 2>/dev/null && echo boto3-importable || echo no-boto3
         ls -A {PROJECT_ROOT} | wc -l
         test -e /root/.pyenv && echo pyenv-visible || echo no-pyenv
         test -e {testbed.identity} && echo key-visible || echo no-key
-        ls -A /tmp | wc -l
-        touch /workspace/from-node && echo written
+        test -e {marker} && echo host-tmp-visible || echo no-host-tmp
+        touch /workspace/{name} && echo written
     """)
     r = testbed.ssh(testbed.nodes[0], script)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["/usr/bin/python3", "no-boto3", "0", "no-pyenv", "no-key", "0", "written"]
+    assert r.stdout.split() == ["/usr/bin/python3", "no-boto3", "0", "no-pyenv", "no-key", "no-host-tmp", "written"]
     # the node's /workspace is <workdir>/<node>/workspace on this machine, and nothing else
-    assert (testbed.workdir / "node-1" / "workspace" / "from-node").exists()
-    assert not Path("/workspace/from-node").exists()
+    written = testbed.workdir / "node-1" / "workspace" / name
+    assert written.exists() and not Path("/workspace", name).exists()
+    written.unlink()
 
 
 def test_dev_shm_has_the_given_size(make_testbed: MakeTestbed) -> None:
@@ -116,6 +120,12 @@ def test_node_reaches_s3_and_controller_uses_it(testbed: Testbed, tmp_path: Path
     r = testbed.ssh(testbed.nodes[0], probe)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() in {"200", "403"}
+    # nothing of the S3 server listens on a public address: only the bridge address and loopback
+    assert testbed._server is not None and testbed._server.proc is not None
+    pid = testbed._server.proc.pid
+    ss = tsys.run(["ss", "-ltnpH"]).stdout
+    addrs = {line.split()[3].rsplit(":", 1)[0] for line in ss.splitlines() if f"pid={pid}," in line}
+    assert addrs and addrs <= {testbed.bridge_address or "127.0.0.1", "127.0.0.1"}
 
 
 def test_s3_multipart_upload_and_ranged_reads(testbed: Testbed) -> None:
