@@ -13,6 +13,10 @@ As root with `ip netns` (use_netns=None picks it when usable) each node is:
   /dev/shm, and empty read-only tmpfs over the project checkout, the controller's Python prefix
   (when outside /usr) and the testbed workdir, so nothing passes by reading controller files.
 The S3 server (see testbed_s3) listens on the bridge address, reachable from nodes and controller.
+How sshd is configured and started lives in testbed_node; processes and namespaces in testbed_sys.
+
+Beyond the core API: tb.ssh(node, cmd) / tb.ssh_argv(node, *cmd) (the system ssh client with the
+testbed key, accept-new), tb.host_public_key(node), tb.isolated, tb.bridge_address, tb.timings.
 
 Without root or netns (use_netns=False) sshd listens on 127.0.0.1:<free port> as the current
 user, with no private mounts: the node sees this machine's files, /dev/shm is the host's (no
@@ -52,7 +56,6 @@ from orchestrator.testbed_s3 import S3Endpoint, S3Server
 from orchestrator.testbed_sys import TestbedError
 
 __all__ = ["PROJECT_ROOT", "Node", "S3Endpoint", "Testbed", "TestbedError"]
-
 
 
 @dataclass(frozen=True)
