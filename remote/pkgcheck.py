@@ -8,7 +8,8 @@ Request::
 
     {"pins": ["torch==2.11.0", "triton>=3.6", ...],           # PEP 508 specs that must hold
      "overrides": [{"package": "triton==3.7.0", "reason": "..."}],
-     "names": ["torch", ...] | null}                          # whose module __version__ to read
+     "names": ["torch", ...] | null,                          # whose module __version__ to read
+     "candidates": ["triton==3.7.0"]}                         # optional: who forbids these versions?
 
 Checks, reported as ``problems`` (each {"kind", "package", "expected", "found", "message"}):
 
@@ -25,7 +26,9 @@ because importing torch takes seconds; everything else is read from metadata.
 
 A ``pin``/``requirement`` problem on an overridden package whose installed version satisfies
 the override becomes a warning (same shape plus ``reason``) quoting the override's reason.
-Names are normalized per PEP 503 (lowercase, runs of -_. become -).
+Names are normalized per PEP 503 (lowercase, runs of -_. become -). ``conflicts`` lists, for each
+exact candidate version, the installed distributions whose pins forbid it (used to name the pin
+when an installer refuses a request).
 """
 from __future__ import annotations
 
@@ -56,10 +59,19 @@ class Dist:
         self.requires = list(dist.requires or [])
 
 
+AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def search_path() -> list:
+    """sys.path without dfo's own code (the agent copy on PYTHONPATH) and the working directory."""
+    skip = set([os.path.realpath(AGENT_DIR), os.path.realpath(os.getcwd())])
+    return [p for p in sys.path if p and os.path.realpath(p) not in skip]
+
+
 def installed() -> dict:
     """Normalized name -> Dist, the first one on sys.path winning (as import would)."""
     out = {}  # type: dict
-    for d in metadata.distributions():
+    for d in metadata.distributions(path=search_path()):
         try:
             if not d.metadata["Name"]:
                 continue
@@ -165,6 +177,27 @@ def check_consistency(dists: dict, extras: dict) -> list:
     return out
 
 
+def check_candidates(candidates: list, dists: dict, extras: dict) -> list:
+    """Installed distributions whose pins forbid an asked exact version (``name==V``)."""
+    out = []
+    for spec in candidates:
+        cand = _parse(spec)
+        version = cand.specifier.exact_version()
+        if version is None:
+            continue
+        for d in sorted(dists.values(), key=lambda x: x.key):
+            if d.key == cand.key:
+                continue
+            for req in _requirements(d):
+                if req.key == cand.key and _applies(req, extras.get(d.key, set())) \
+                        and not _contains(req.specifier, version):
+                    out.append(problem("requirement", cand.key, str(req.specifier), version,
+                                       "%s %s requires %s%s; the job asks %s" % (d.name, d.version, req.name,
+                                                                                 req.specifier, spec),
+                                       required_by=d.key))
+    return out
+
+
 def _top_level(d: Dist) -> list:
     names = []
     text = None
@@ -257,8 +290,9 @@ def check(request: dict) -> dict:
     if names is None:
         names = [_parse(p).key for p in pins]
     dists = installed()
+    extras = requested_extras(pins, dists)
     problems = check_pins(pins, dists)
-    problems += check_consistency(dists, requested_extras(pins, dists))
+    problems += check_consistency(dists, extras)
     versions, import_problems = module_versions(names, dists)
     problems, warnings = apply_overrides(problems + import_problems, overrides)
     return {
@@ -269,6 +303,7 @@ def check(request: dict) -> dict:
         "module_versions": versions,
         "problems": problems,
         "warnings": warnings,
+        "conflicts": check_candidates(list(request.get("candidates") or []), dists, extras),
     }
 
 

@@ -1,0 +1,120 @@
+"""dfo provision: thin click command over orchestrator.steps.provision."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from ..cli_common import console, hosts_option, job_option, json_option, print_json, report_error, session
+from ..config import load_job
+from ..errors import EXIT_OK, DfoError
+from ..steps.provision import ProvisionReport, provision, validate_job
+
+STATUS_STYLE = {"done": "green", "no change": "dim", "warning": "yellow", "failed": "bold red"}
+_OUT = threading.Lock()
+
+
+def _step_line(host: str, multi: bool, step: dict[str, Any]) -> None:
+    status = str(step.get("status", "?"))
+    message = "see below" if status == "failed" else str(step.get("message", ""))
+    secs = step.get("seconds") or 0
+    took = f" ({secs:.1f}s)" if secs >= 1 else ""
+    prefix = f"{escape(host)}: " if multi else ""
+    style = STATUS_STYLE.get(status, "")
+    with _OUT:
+        console.print(f"{prefix}{escape(str(step.get('name')))}: [{style}]{status}[/]{took}  {escape(message)}",
+                      soft_wrap=True)
+
+
+def _summary(r: ProvisionReport) -> None:
+    counts: dict[str, int] = {}
+    for s in r.steps:
+        counts[s.get("status", "?")] = counts.get(s.get("status", "?"), 0) + 1
+    parts = ", ".join(f"{n} {k}" for k, n in counts.items())
+    for w in r.warnings:
+        console.print(f"[yellow]warning[/]: {escape(r.host)}: {escape(str(w.get('message')))}", soft_wrap=True)
+    if r.ok:
+        where = f"; record: {r.record}" if r.record else ""
+        console.print(f"{escape(r.host)}: [green]provisioned[/] ({parts}){escape(where)}", soft_wrap=True)
+
+
+@click.command("provision")
+@hosts_option
+@job_option()
+@json_option
+@click.option("--clear-triton-cache", is_flag=True,
+              help="Also empty the node's Triton kernel cache (TRITON_CACHE_DIR from the job's run.env or the "
+                   "node's environment, else ~/.triton/cache) and say how many bytes went.")
+@click.pass_context
+def provision_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: bool,
+                  clear_triton_cache: bool) -> int:
+    """Build the job's Python environment on each node, verifying every install.
+
+    \b
+    Steps, each reported as done / no change / warning / failed:
+      workspace    the workspace, its .dfo/provision dir and the job's run.workdir
+      venv         the job's venv (uv venv when installer: uv and the node has uv,
+                   else `python -m venv` with the job's python)
+      installer    uv (the node's, else installed into the venv with pip) or pip
+      <package>    one step per line of packages:, in order
+      overrides    every overridden package that is installed matches its override
+      triton cache only with --clear-triton-cache
+
+    Before each package step the venv's own interpreter, in a fresh process, checks whether
+    the line (and every earlier one) is already satisfied and every installed distribution's
+    requirements hold: then the step is "no change" and no installer runs. Otherwise the line
+    is installed together with the earlier lines (so the resolver sees their pins) using the
+    job's index options, and checked again in a fresh process: the asked version must really
+    be installed (metadata and the module's __version__; an installer that exits 0 and changes
+    nothing is caught) and no pin may break, e.g. "torch 2.11.0 requires triton==3.6.0;
+    triton is 3.7.0". A break listed in the job's overrides: with a reason is a warning
+    quoting the reason; uv gets overrides as --override, pip installs the override's version
+    after resolving the rest. On failure the report gives the version before and after, what
+    was asked, the installer's own output, and what changed in the venv.
+
+    A record of the run goes to <workspace>/.dfo/provision/<job>.json on the node
+    (verify-env shows it).
+
+    \b
+    Exit codes: 0 done; 2 bad job file or package spec; 3 an install or its verification
+    failed (also: the job's python or the node's python3 is missing); 4 host unreachable.
+    """
+    loaded = load_job(job_path)
+    validate_job(loaded)
+    with session(ctx, hosts) as s:
+        multi = len(s.names) > 1
+
+        def one(conn: Any) -> ProvisionReport:
+            def on_step(step: dict[str, Any]) -> None:
+                if not as_json:
+                    _step_line(conn.name, multi, step)
+
+            return provision(conn, loaded, clear_triton_cache=clear_triton_cache, on_step=on_step)
+
+        outcomes = s.each(one)
+    if as_json:
+        doc: dict[str, Any] = {"hosts": {}}
+        for o in outcomes:
+            if o.error is not None:
+                doc["hosts"][o.host] = {"ok": False, "steps": [], "warnings": [], "problems": [],
+                                        "error": o.error.to_json()}
+            else:
+                doc["hosts"][o.host] = o.value.to_json()  # type: ignore[union-attr]
+        print_json(doc)
+    else:
+        for o in outcomes:
+            if o.error is not None:
+                report_error(o.error)
+                continue
+            r = o.value
+            assert r is not None
+            _summary(r)
+            if not r.ok and r.error:
+                report_error(DfoError(r.error["message"], host=r.host, hint=r.error.get("hint")))
+    return max((o.exit_code for o in outcomes), default=EXIT_OK)
+
+
+COMMANDS = [provision_cmd]

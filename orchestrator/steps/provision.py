@@ -1,0 +1,152 @@
+"""provision: the job's venv on a node, with every install verified (the node side is remote/provision.py).
+
+The controller checks the job's package specs (a bad one is exit 2 before any host is touched),
+sends the job to ``python3 -m remote.provision`` on the node, relays its per-step events, and
+turns the answer into a ProvisionReport. Exit codes: 0 done; 2 bad job file or spec; 3 an install
+step failed or its verification did (a version, a pin, a missing python); 4 host unreachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from remote.pep440 import InvalidSpecifier
+from remote.pep508 import InvalidRequirement, Requirement
+
+from ..agent import run_module
+from ..config import Job, LoadedJob
+from ..connection import Connection
+from ..errors import EXIT_OK, ConfigError, DfoError
+from ..yamlpos import _line_of
+
+INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
+
+
+class ProvisionReport(BaseModel):
+    host: str
+    ok: bool
+    steps: list[dict[str, Any]] = []
+    warnings: list[dict[str, Any]] = []
+    problems: list[dict[str, Any]] = []
+    record: str | None = None
+    packages: dict[str, str | None] = {}
+    error: dict[str, Any] | None = None
+    exit_code: int = EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"ok": self.ok, "steps": self.steps, "warnings": self.warnings,
+                               "problems": self.problems, "record": self.record, "packages": self.packages}
+        if self.error:
+            doc["error"] = self.error
+        return doc
+
+
+def _spec_error(loaded: LoadedJob, loc: tuple[Any, ...], spec: str, exc: Exception) -> ConfigError:
+    line = None
+    try:
+        line = _line_of(yaml.compose(loaded.path.read_text(encoding="utf-8")), loc)
+    except (OSError, yaml.YAMLError):
+        pass
+    field = ".".join(str(p) for p in loc)
+    why = str(exc).split(" at column")[0]
+    return ConfigError(f"{loaded.path}:{line or 1}: {field}: {spec!r} is not a valid package spec ({why})",
+                       hint="write it as PEP 508 wants, e.g. torch==2.11.0, triton>=3.6, 'pkg[extra]==1.0'")
+
+
+def validate_job(loaded: LoadedJob) -> None:
+    """Every package line and override must parse as a PEP 508 requirement (else ConfigError, exit 2)."""
+    job = loaded.job
+    for i, spec in enumerate(job.packages):
+        try:
+            Requirement(spec)
+        except (InvalidRequirement, InvalidSpecifier) as exc:
+            raise _spec_error(loaded, ("packages", i), spec, exc) from None
+    for i, o in enumerate(job.overrides):
+        try:
+            req = Requirement(o.package)
+        except (InvalidRequirement, InvalidSpecifier) as exc:
+            raise _spec_error(loaded, ("overrides", i, "package"), o.package, exc) from None
+        if not str(req.specifier) and not req.url:
+            raise ConfigError(f"{loaded.path}: overrides[{i}]: {o.package!r} names no version",
+                              hint="an override replaces a pin with a version: write e.g. triton==3.7.0")
+    for u in job.index.extra_urls + job.index.find_links + [job.index.url or ""]:
+        if any(c.isspace() for c in u):
+            raise ConfigError(f"{loaded.path}: index: {u!r} contains whitespace",
+                              hint="index URLs and find_links paths cannot contain spaces")
+
+
+def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = False,
+                      install_timeout: float = INSTALL_TIMEOUT_S) -> dict[str, Any]:
+    dirs = [job.run.workdir] if job.run is not None else []
+    env = job.run.env if job.run is not None else {}
+    return {
+        "host": conn.name,
+        "job": {
+            "name": job.name, "python": job.python, "venv": job.venv, "installer": job.installer,
+            "packages": job.packages, "index": job.index.model_dump(),
+            "overrides": [o.model_dump() for o in job.overrides],
+        },
+        "workspace": job.workspace or conn.host.workspace,
+        "dirs": dirs,
+        "clear_triton_cache": clear_triton_cache,
+        "triton_cache_dir": env.get("TRITON_CACHE_DIR"),
+        "install_timeout": install_timeout,
+    }
+
+
+def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool = False,
+              on_step: Callable[[dict[str, Any]], None] | None = None,
+              install_timeout: float = INSTALL_TIMEOUT_S) -> ProvisionReport:
+    """Provision one host. Verification failures come back as a report with ok=False and its exit code;
+    an unreachable host raises HostError."""
+    job = loaded.job
+    req = provision_request(job, conn, clear_triton_cache=clear_triton_cache, install_timeout=install_timeout)
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if on_step is not None and ev.get("event") == "step":
+            on_step(ev)
+
+    timeout = 600 + install_timeout * (len(job.packages) + 3)
+    try:
+        data = run_module(conn, "remote.provision", req, timeout=timeout, on_event=on_event)
+    except DfoError as exc:
+        details = getattr(exc, "details", None) or {}
+        rep = details.get("report")
+        if not isinstance(rep, dict):
+            raise
+        err = {"kind": exc.kind, "message": exc.message, "hint": exc.hint}
+        return ProvisionReport(
+            host=conn.name, ok=False, steps=rep.get("steps") or [], warnings=rep.get("warnings") or [],
+            problems=_problems(rep, exc.message), record=rep.get("record"), error=err,
+            packages=_asked(job, rep.get("packages_after") or {}), exit_code=exc.exit_code,
+        )
+    return ProvisionReport(host=conn.name, ok=True, steps=data.get("steps") or [], warnings=data.get("warnings") or [],
+                           problems=[], record=data.get("record"), packages=_asked(job, data.get("packages_after") or {}))
+
+
+def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for spec in job.packages:
+        key = Requirement(spec).key
+        out[key] = packages.get(key)
+    return out
+
+
+def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
+    """The failed step as a problem first, then what pkgcheck found wrong in the venv."""
+    failed = next((s for s in reversed(rep.get("steps") or []) if s.get("status") == "failed"), {})
+    key = None
+    if failed.get("asked"):
+        try:
+            key = Requirement(failed["asked"]).key
+        except (InvalidRequirement, InvalidSpecifier):
+            key = None
+    head = {"kind": "install" if failed.get("installer") else "step", "package": key,
+            "expected": failed.get("effective"), "found": failed.get("after"), "message": message,
+            "step": failed.get("name")}
+    rest = [p for p in rep.get("problems") or [] if p.get("message") not in message]
+    return [head] + rest

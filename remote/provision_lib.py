@@ -1,0 +1,177 @@
+"""Helpers of remote.provision: installers, pkgcheck in a fresh process, records (stdlib only)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+from remote._proto import RESULT_PREFIX, emit_event
+from remote.pep508 import InvalidRequirement, Requirement
+
+AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAIL_CHARS = 3000
+
+
+def redact(text: str) -> str:
+    """Hide credentials in URLs (``https://user:token@host`` -> ``https://***@host``)."""
+    return re.sub(r"(?i)([a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1***@", text)
+
+
+def tail(text: str, limit: int = TAIL_CHARS) -> str:
+    text = redact(text.strip())
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def write_json(path: str, doc: dict) -> None:
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=2, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+class StepFailed(Exception):
+    """A step that could not do its job; ``extra`` lands in the step's report."""
+
+    def __init__(self, message: str, hint: str | None = None, kind: str = "verify", **extra: object) -> None:
+        Exception.__init__(self, message)
+        self.message, self.hint, self.kind, self.extra = message, hint, kind, extra
+
+
+def pkgcheck(python: str, pins: list, overrides: list, names: list, candidates: list | None = None,
+             timeout: float = 300) -> dict:
+    """Run remote.pkgcheck with ``python`` in a fresh process; return its data."""
+    req = json.dumps({"pins": pins, "overrides": overrides, "names": names, "candidates": candidates or []})
+    env = dict(os.environ, PYTHONPATH=AGENT_DIR, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.run([python, "-m", "remote.pkgcheck"], input=req.encode(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, cwd=AGENT_DIR, env=env, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise StepFailed("cannot run %s to read the venv's packages: %s" % (python, exc)) from None
+    for line in reversed(proc.stdout.decode("utf-8", "replace").splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            doc = json.loads(line[len(RESULT_PREFIX):])
+            if doc.get("ok"):
+                return doc["data"]
+            err = doc.get("error") or {}
+            raise StepFailed("%s: %s" % (python, err.get("message")), kind=err.get("kind", "verify"))
+    raise StepFailed("%s could not report its packages (exit %d): %s"
+                     % (python, proc.returncode, tail(proc.stderr.decode("utf-8", "replace"), 400)))
+
+
+class Installer:
+    """Command lines for uv or pip, with the job's index options."""
+
+    def __init__(self, kind: str, exe: str, venv_python: str, index: dict, override_file: str | None) -> None:
+        self.kind, self.exe, self.python, self.index, self.override_file = kind, exe, venv_python, index, override_file
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        prefix = "UV_" if self.kind == "uv" else "PIP_"
+        if self.index.get("url"):
+            env[prefix + "INDEX_URL"] = self.index["url"]
+        if self.index.get("extra_urls"):
+            env[prefix + "EXTRA_INDEX_URL"] = " ".join(self.index["extra_urls"])
+        if self.kind == "pip":
+            env.update(PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        return env
+
+    def argv(self, reqs: list, overrides: bool = True) -> list:
+        if self.kind == "uv":
+            argv = [self.exe, "pip", "install", "--python", self.python]
+        else:
+            argv = [self.python, "-m", "pip", "install"]
+        if self.index.get("no_index"):
+            argv.append("--no-index")
+        for link in self.index.get("find_links") or []:
+            argv += ["--find-links", link]
+        if self.kind == "uv" and overrides and self.override_file:
+            argv += ["--override", self.override_file]
+        return argv + list(reqs)
+
+    def display(self, argv: list) -> str:
+        shown = []
+        if self.index.get("url"):
+            shown.append("--index-url " + redact(self.index["url"]))
+        for u in self.index.get("extra_urls") or []:
+            shown.append("--extra-index-url " + redact(u))
+        head = " ".join(redact(a) for a in argv[: 5 if self.kind == "uv" else 4])
+        rest = " ".join(redact(a) for a in argv[5 if self.kind == "uv" else 4:])
+        return " ".join(x for x in [head] + shown + [rest] if x)
+
+    def run(self, reqs: list, timeout: float, overrides: bool = True) -> dict:
+        argv = self.argv(reqs, overrides)
+        emit_event({"event": "install", "command": self.display(argv)})
+        start = time.time()
+        try:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(), cwd="/",
+                                  timeout=timeout)
+            code, out = proc.returncode, proc.stdout.decode("utf-8", "replace")
+        except subprocess.TimeoutExpired as exc:
+            code, out = -1, (exc.stdout or b"").decode("utf-8", "replace") + "\n(timed out after %ds)" % timeout
+        except OSError as exc:
+            code, out = -1, "cannot run %s: %s" % (argv[0], exc)
+        return {"command": self.display(argv), "exit_code": code, "seconds": round(time.time() - start, 2),
+                "output_tail": tail(out)}
+
+
+def run_tool(argv: list, timeout: float = 600) -> tuple:
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd="/")
+        return proc.returncode, proc.stdout.decode("utf-8", "replace")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, str(exc)
+
+
+def parse_req(spec: str) -> Requirement:
+    try:
+        return Requirement(spec)
+    except (InvalidRequirement, ValueError) as exc:
+        raise StepFailed("invalid package spec %r: %s" % (spec, exc), kind="config") from None
+
+
+def satisfied(spec: str, packages: dict) -> bool:
+    req = parse_req(spec)
+    have = packages.get(req.key)
+    return have is not None and req.specifier.contains(have)
+
+
+def diff_packages(before: dict, after: dict) -> list:
+    out = []
+    for k in sorted(set(before) | set(after)):
+        b, a = before.get(k), after.get(k)
+        if b != a:
+            out.append("%s %s -> %s" % (k, b or "(none)", a or "(none)"))
+    return out
+
+
+def venv_state(before: dict, after: dict) -> str:
+    changes = diff_packages(before, after)
+    if not changes:
+        return "the venv is unchanged"
+    return "the venv changed: " + ", ".join(changes)
+
+
+def dir_size(path: str) -> tuple:
+    total, files = 0, 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(root, n)).st_size
+                files += 1
+            except OSError:
+                pass
+    return total, files
+
+
+def triton_cache_path(configured: str | None = None) -> str:
+    """TRITON_CACHE_DIR (the job's run.env, else the node's environment), else ~/.triton/cache."""
+    path = configured or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
+                                                                             "cache")
+    return os.path.abspath(os.path.expanduser(path))
