@@ -1,0 +1,216 @@
+"""sync-data and stage-model on the controller: check the job, resolve credentials, drive the node.
+
+The bytes never pass through the controller: ``remote.s3sync`` (data) and ``remote.s3stage``
+(model) run on the node and fetch from S3 (or copy a node path, or pull from the Hub) themselves.
+This side checks the job's ``data:`` / ``model:`` / ``s3:`` sections (exit 2 before any host is
+touched), resolves S3 credentials once with botocore's usual chain (environment, then the profile
+``s3.profile`` or the default one, ...), unless ``s3.credentials: node``, and sends them in the
+request on stdin: never in argv, the environment of a process, a log or an error message.
+Progress events from the node drive a rich progress bar on a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from rich.console import Console
+
+from ..agent import run_module
+from ..config import LoadedJob, S3Config
+from ..connection import Connection
+from ..errors import ConfigError
+
+TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
+What = Literal["data", "model"]
+
+
+class TransferReport(BaseModel):
+    host: str
+    what: str
+    status: str  # "done" | "no change"
+    source: str
+    dest: str
+    fetched: int
+    skipped: int
+    deleted: int
+    bytes: int
+    seconds: float
+    mb_per_s: float
+    files_total: int
+    bytes_total: int
+    verified: dict[str, int] = {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "status": self.status, "fetched": self.fetched, "skipped": self.skipped,
+                "deleted": self.deleted, "bytes": self.bytes, "seconds": self.seconds, "mb_per_s": self.mb_per_s,
+                "dest": self.dest, "source": self.source, "files_total": self.files_total,
+                "bytes_total": self.bytes_total, "verified": self.verified}
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def source_kind(source: str) -> str:
+    if source.startswith("s3://"):
+        return "s3"
+    if source.startswith("hf://"):
+        return "hf"
+    if source.startswith(("/", "~", "file://")):
+        return "path"
+    return "unknown"
+
+
+def validate(loaded: LoadedJob, what: What) -> None:
+    """The section exists, its source is of a kind this command takes, its dest is absolute (else exit 2)."""
+    section: Any = loaded.need(what)
+    src, dest, p = section.source.strip(), section.dest.strip(), loaded.path
+    kind = source_kind(src)
+    allowed = ("s3",) if what == "data" else ("s3", "hf", "path")
+    if kind not in allowed:
+        want = "s3://bucket/prefix/" if what == "data" else "s3://bucket/prefix/, hf://org/name or /a/path/on/the/node"
+        raise ConfigError(f"{p}: {what}.source {src!r} is not {want}", hint=f"fix {what}.source in the job file")
+    if kind == "s3" and (len(src) <= 5 or src[5] == "/"):
+        raise ConfigError(f"{p}: {what}.source {src!r} names no bucket", hint="write it as s3://bucket/prefix/")
+    if kind == "hf" and src[5:].split("@")[0].count("/") != 1:
+        raise ConfigError(f"{p}: {what}.source {src!r}: expected hf://org/name or hf://org/name@revision")
+    if not dest.startswith(("/", "~")):
+        raise ConfigError(f"{p}: {what}.dest {dest!r} must be an absolute path on the node",
+                          hint="for example /workspace/data or /dev/shm/model")
+
+
+def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None] | None:
+    """AWS credentials from the controller (botocore's chain), or None: node's own, or anonymous.
+
+    The environment comes first in botocore's chain, so with AWS_ACCESS_KEY_ID and
+    AWS_SECRET_ACCESS_KEY set (and no s3.profile) they are used without importing botocore."""
+    if s3.credentials == "node":
+        return None
+    env = os.environ
+    if not s3.profile and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return {"access_key": env["AWS_ACCESS_KEY_ID"], "secret_key": env["AWS_SECRET_ACCESS_KEY"],
+                "session_token": env.get("AWS_SESSION_TOKEN") or None}
+    import botocore.exceptions
+    import botocore.session
+
+    try:
+        creds = botocore.session.Session(profile=s3.profile).get_credentials()
+        frozen = creds.get_frozen_credentials() if creds is not None else None
+    except botocore.exceptions.ProfileNotFound:
+        raise ConfigError(f"{job_path}: s3.profile {s3.profile!r} is not in ~/.aws/config or ~/.aws/credentials",
+                          hint="fix s3.profile, or remove it to use the environment / default profile") from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise ConfigError(f"{job_path}: cannot resolve S3 credentials: {type(exc).__name__}",
+                          hint="check ~/.aws/config and the AWS_* variables") from None
+    if frozen is None or not frozen.access_key:
+        return None
+    return {"access_key": frozen.access_key, "secret_key": frozen.secret_key, "session_token": frozen.token}
+
+
+def hf_token() -> str | None:
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if os.environ.get(name):
+            return os.environ[name]
+    path = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> dict[str, Any]:
+    """The request for the node (credentials included: send it on stdin only)."""
+    validate(loaded, what)
+    job = loaded.job
+    section: Any = loaded.need(what)
+    kind = source_kind(section.source.strip())
+    req: dict[str, Any] = {
+        "what": what, "source": section.source.strip(), "dest": section.dest.strip(),
+        "endpoint_url": job.s3.endpoint_url, "region": job.s3.region, "profile": job.s3.profile,
+        "credentials_mode": job.s3.credentials, "credentials": None,
+        "concurrency": job.s3.concurrency, "part_size_mb": job.s3.part_size_mb,
+        "multipart_threshold_mb": job.s3.multipart_threshold_mb, "check_space": True,
+        "margin_pct": section.margin_pct if what == "model" else 0.0,
+        "delete": bool(section.delete if delete is None else delete) if what == "data" else False,
+    }
+    if kind == "s3":
+        req["credentials"] = controller_credentials(job.s3, loaded.path)
+    elif kind == "hf":
+        req["hf_token"] = hf_token()
+    return req
+
+
+# --------------------------------------------------------------------------- the node
+
+
+def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str, Any],
+             on_event: Callable[[dict[str, Any]], None] | None = None) -> TransferReport:
+    """Run the node side; return its summary, or raise the DfoError its failure maps to."""
+    module = "remote.s3sync" if what == "data" else "remote.s3stage"
+    python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
+    data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
+    status = data.get("status") or ("no change" if not data["fetched"] and not data.get("deleted") else "done")
+    return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
+        "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
+        "bytes_total")}, verified=data.get("verified") or {})
+
+
+# --------------------------------------------------------------------------- progress on a terminal
+
+
+class ProgressView:
+    """One rich progress bar per host (bytes, files, rate, ETA), fed by the node's events."""
+
+    def __init__(self, console: Console, enabled: bool) -> None:
+        self.enabled = enabled and console.is_terminal
+        self._lock = threading.Lock()
+        self._tasks: dict[str, Any] = {}
+        self.progress: Any = None
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                                     TextColumn("{task.fields[files]}"), TransferSpeedColumn(),
+                                     TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True)
+
+    def __enter__(self) -> ProgressView:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def callback(self, host: str) -> Callable[[dict[str, Any]], None]:
+        def on_event(ev: dict[str, Any]) -> None:
+            if self.progress is None:
+                return
+            with self._lock:
+                if ev.get("type") == "plan":
+                    self._tasks[host] = self.progress.add_task(
+                        host, total=max(int(ev.get("bytes_to_fetch") or 0), 1),
+                        files=f"0/{ev.get('to_fetch', 0)} files")
+                elif ev.get("type") == "progress" and host in self._tasks:
+                    self.progress.update(self._tasks[host], completed=int(ev.get("bytes") or 0),
+                                         files=f"{ev.get('files', 0)}/{ev.get('files_total', 0)} files")
+        return on_event
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TiB"

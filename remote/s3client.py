@@ -1,0 +1,289 @@
+"""A small S3 client on the standard library (python3 3.8+): just what a download engine needs.
+
+* one keep-alive HTTP(S) connection per worker thread (``http.client``), reopened after an error;
+* requests signed with SigV4 (``remote.s3sig``), or unsigned when there are no credentials;
+* ListObjectsV2, paginated, parsed with ElementTree; HEAD; GET of a whole object or a byte range
+  streamed with ``readinto`` into a reused buffer and written with ``os.pwrite`` at its offset;
+* errors become ``S3Error`` with a kind ("verify": S3 answered no; "unreachable": no answer) and a
+  message naming the object and the endpoint, and say whether a retry may help.
+
+Path-style addressing for a custom endpoint (SeaweedFS, MinIO, Ceph, R2 ...), virtual-hosted
+style on AWS itself.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import ssl
+import threading
+import xml.etree.ElementTree as ET
+from urllib.parse import urlsplit
+
+from remote.s3sig import sign, uri_encode
+
+BUF_SIZE = 1 << 20
+RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+class S3Error(Exception):
+    def __init__(self, kind, message, status=None, code=None, retryable=False, hint=None):
+        Exception.__init__(self, message)
+        self.kind = kind
+        self.message = message
+        self.status = status
+        self.code = code
+        self.retryable = retryable
+        self.hint = hint
+
+
+class Stopped(Exception):
+    """The transfer was asked to stop (another worker failed, or a signal)."""
+
+
+def split_s3_url(url):
+    """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix")."""
+    if not url.startswith("s3://"):
+        raise ValueError("not an s3:// URL: %s" % url)
+    rest = url[5:]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError("no bucket in %s" % url)
+    return bucket, prefix
+
+
+def _strip_ns(tag):
+    return tag.rsplit("}", 1)[-1]
+
+
+def _error_fields(body):
+    """(Code, Message, Region) from an S3 XML error body, tolerant of garbage."""
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return None, body[:200].decode("utf-8", "replace").strip() or None, None
+    fields = {}
+    for child in root:
+        fields[_strip_ns(child.tag)] = (child.text or "").strip()
+    return fields.get("Code"), fields.get("Message"), fields.get("Region")
+
+
+class S3Client:
+    def __init__(self, endpoint_url, region, creds, timeout=60.0):
+        self.region = region or "us-east-1"
+        self.creds = creds if creds and creds.get("access_key") else None
+        if endpoint_url:
+            parts = urlsplit(endpoint_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("endpoint_url must look like http(s)://host[:port], got %r" % endpoint_url)
+            self.scheme, self.netloc = parts.scheme, parts.netloc
+            self.base_path = parts.path.rstrip("/")
+            self.virtual = False
+        else:
+            self.scheme, self.netloc, self.base_path = "https", "s3.%s.amazonaws.com" % self.region, ""
+            self.virtual = True
+        self.endpoint = "%s://%s" % (self.scheme, self.netloc)
+        self.timeout = timeout
+        self._local = threading.local()
+        self._ssl = ssl.create_default_context() if self.scheme == "https" else None
+
+    # ------------------------------------------------------------------ connections
+    def _conn(self, netloc):
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        c = conns.get(netloc)
+        if c is None:
+            if self.scheme == "https":
+                c = http.client.HTTPSConnection(netloc, timeout=self.timeout, context=self._ssl)
+            else:
+                c = http.client.HTTPConnection(netloc, timeout=self.timeout)
+            conns[netloc] = c
+        return c
+
+    def _drop(self, netloc):
+        conns = getattr(self._local, "conns", {})
+        c = conns.pop(netloc, None)
+        if c is not None:
+            c.close()
+
+    def close(self):
+        for netloc in list(getattr(self._local, "conns", {})):
+            self._drop(netloc)
+
+    def _target(self, bucket, key):
+        if self.virtual and "." not in bucket:
+            return "%s.%s" % (bucket, self.netloc), "/" + uri_encode(key, True)
+        path = "%s/%s" % (self.base_path, bucket)
+        if key:
+            path += "/" + uri_encode(key, True)
+        return self.netloc, path
+
+    def where(self, bucket, key=""):
+        return "s3://%s/%s (%s)" % (bucket, key, self.endpoint)
+
+    # ------------------------------------------------------------------ requests
+    def request(self, method, bucket, key="", query=(), headers=None):
+        """Send one request and return the response with its body unread (status not checked)."""
+        netloc, path = self._target(bucket, key)
+        hdrs = {"host": netloc}
+        hdrs.update(headers or {})
+        if self.creds:
+            sign(method, path, list(query), hdrs, self.creds, self.region)
+        url = path
+        if query:
+            url += "?" + "&".join("%s=%s" % (uri_encode(k, False), uri_encode(v, False)) for k, v in query)
+        for attempt in (0, 1):
+            conn = self._conn(netloc)
+            try:
+                conn.request(method, url, headers=hdrs)
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                # a keep-alive connection the server closed while idle: reopen once, quietly
+                self._drop(netloc)
+                if attempt:
+                    raise S3Error("unreachable", "%s: connection lost: %s" % (self.where(bucket, key), exc),
+                                  retryable=True) from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(netloc)
+                raise self._net_error(exc, bucket, key) from None
+        raise AssertionError("unreachable code")
+
+    def _net_error(self, exc, bucket, key):
+        if isinstance(exc, socket.gaierror):
+            what = "cannot resolve the endpoint's host name"
+        elif isinstance(exc, ConnectionRefusedError):
+            what = "connection refused"
+        elif isinstance(exc, (socket.timeout, TimeoutError)):
+            what = "no answer within %gs" % self.timeout
+        elif isinstance(exc, ssl.SSLError):
+            what = "TLS error: %s" % exc
+        else:
+            what = "%s: %s" % (type(exc).__name__, exc)
+        return S3Error("unreachable", "%s: %s" % (self.where(bucket, key), what), retryable=True,
+                       hint="check s3.endpoint_url in the job file and that the node can reach it")
+
+    def _http_error(self, resp, bucket, key, method):
+        body = b"" if method == "HEAD" else resp.read()
+        code, message, region = _error_fields(body) if body else (None, None, None)
+        status = resp.status
+        if code is None:
+            code = {403: "AccessDenied", 404: "NotFound", 301: "PermanentRedirect"}.get(status, "HTTP%d" % status)
+        region = region or resp.getheader("x-amz-bucket-region")
+        hint = None
+        if code in ("NoSuchBucket",):
+            hint = "check the bucket name in the job file (and s3.endpoint_url)"
+        elif code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+            hint = "check the credentials (s3.profile / AWS_* variables, or s3.credentials: node) and the bucket policy"
+        elif code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
+            hint = "the bucket lives in another region%s; set s3.region in the job file" % (
+                " (%s)" % region if region else "")
+        elif code == "PreconditionFailed" or status == 412:
+            code = "PreconditionFailed"
+            hint = "the object changed on S3 while dfo read it; run the command again"
+        elif status == 416:
+            hint = "the object shrank on S3 while dfo read it; run the command again"
+        text = "%s: %s (HTTP %d)%s" % (self.where(bucket, key), code, status, ": " + message if message else "")
+        return S3Error("verify", text, status=status, code=code, retryable=status in RETRYABLE_STATUS, hint=hint)
+
+    def check(self, resp, bucket, key, method, ok=(200,)):
+        if resp.status not in ok:
+            err = self._http_error(resp, bucket, key, method)
+            if resp.will_close or method != "HEAD":
+                resp.close()
+            raise err
+        return resp
+
+    # ------------------------------------------------------------------ operations
+    def list_objects(self, bucket, prefix):
+        """Yield dicts {key, size, etag, checksum_algorithm} under ``prefix``, every page."""
+        token = None
+        while True:
+            query = [("list-type", "2"), ("prefix", prefix), ("max-keys", "1000")]
+            if token:
+                query.append(("continuation-token", token))
+            resp = self.check(self.request("GET", bucket, "", query), bucket, prefix, "GET")
+            body = resp.read()
+            try:
+                root = ET.fromstring(body)
+            except ET.ParseError as exc:
+                raise S3Error("verify", "%s: unreadable listing (%s)" % (self.where(bucket, prefix), exc)) from None
+            token, truncated = None, False
+            for child in root:
+                tag = _strip_ns(child.tag)
+                if tag == "Contents":
+                    item = {_strip_ns(c.tag): (c.text or "") for c in child}
+                    yield {"key": item.get("Key", ""), "size": int(item.get("Size") or 0),
+                           "etag": item.get("ETag", "").strip('"'),
+                           "checksum_algorithm": item.get("ChecksumAlgorithm") or None}
+                elif tag == "NextContinuationToken":
+                    token = child.text
+                elif tag == "IsTruncated":
+                    truncated = (child.text or "").strip() == "true"
+            if not truncated or not token:
+                return
+
+    def head(self, bucket, key, part_number=None):
+        query = [("partNumber", str(part_number))] if part_number else []
+        resp = self.request("HEAD", bucket, key, query, headers={"x-amz-checksum-mode": "ENABLED"})
+        resp.read()
+        self.check(resp, bucket, key, "HEAD", ok=(200, 206))
+        return {k.lower(): v for k, v in resp.getheaders()}
+
+    def get_into(self, bucket, key, fd, start, length, ranged, on_headers=None, progress=None, stop=None,
+                 if_match=None):
+        """GET ``length`` bytes of the object from ``start`` (a Range request when ``ranged``) and
+        write them into ``fd`` at offset ``start``.
+
+        ``on_headers(headers) -> hasher|None`` sees the response headers (lower-case names) before
+        the body and may return an object whose ``update`` gets every byte in order. ``if_match``
+        (the listed ETag) makes S3 refuse (412) an object that changed since it was listed.
+        Return the response headers.
+        """
+        headers = {"x-amz-checksum-mode": "ENABLED"}
+        if ranged:
+            headers["range"] = "bytes=%d-%d" % (start, start + length - 1)
+        if if_match:
+            headers["if-match"] = '"%s"' % if_match
+        netloc = self._target(bucket, key)[0]
+        resp = self.check(self.request("GET", bucket, key, headers=headers), bucket, key, "GET",
+                          ok=(206,) if ranged else (200,))
+        got = resp.getheader("content-length")
+        if got is not None and int(got) != length:
+            resp.close()
+            self._drop(netloc)
+            raise S3Error("verify", "%s: the server sent %s bytes where %d were expected (the object changed "
+                          "while it was read?)" % (self.where(bucket, key), got, length), retryable=True)
+        resp_headers = {k.lower(): v for k, v in resp.getheaders()}
+        hasher = on_headers(resp_headers) if on_headers is not None else None
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(BUF_SIZE))
+        off, end = start, start + length
+        try:
+            while off < end:
+                if stop is not None and stop.is_set():
+                    raise Stopped()
+                try:
+                    n = resp.readinto(buf[:min(BUF_SIZE, end - off)])
+                except (OSError, http.client.HTTPException) as exc:
+                    raise S3Error("unreachable", "%s: transfer broke after %d of %d bytes: %s"
+                                  % (self.where(bucket, key), off - start, length, exc), retryable=True) from None
+                if not n:
+                    raise S3Error("unreachable", "%s: connection closed after %d of %d bytes"
+                                  % (self.where(bucket, key), off - start, length), retryable=True)
+                chunk = buf[:n]
+                w = 0
+                while w < n:  # an OSError here is the disk's (ENOSPC, EIO ...): the caller's to report
+                    w += os.pwrite(fd, chunk[w:], off + w)
+                if hasher is not None:
+                    hasher.update(chunk)
+                off += n
+                if progress is not None:
+                    progress(n)
+        except BaseException:
+            resp.close()
+            self._drop(netloc)
+            raise
+        return resp_headers
+

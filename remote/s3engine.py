@@ -1,0 +1,309 @@
+"""The download engine: many objects at once, and ranged parts of big objects at once (stdlib only).
+
+Every object is written under DEST/.dfo/tmp/ (a temp name on the destination's filesystem), its
+size and content checked (``remote.s3verify``), then renamed to its final name and recorded in
+the manifest's journal at once; a reader never sees a half-written file under its final name and
+an interrupted run never loses a finished object. One worker thread = one keep-alive connection.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import threading
+
+from remote import s3verify
+from remote.s3client import S3Error, Stopped
+
+RETRIES = 5
+READ_CHUNK = 4 << 20
+
+
+class VerifyFailed(Exception):
+    pass
+
+
+class Obj:
+    def __init__(self, key, rel, size, etag):
+        self.key, self.rel, self.size, self.etag = key, rel, size, etag
+        self.lock = threading.Lock()
+        self.tmp = None
+        self.fd = None
+        self.parts = 0
+        self.done = set()
+        self.got = 0
+        self.hash_next = 0
+        self.hashing = False
+        self.prepared = False
+        self.finished = False
+        self.verifier = None
+
+
+class Engine:
+    def __init__(self, client, bucket, manifest, concurrency, part_size, threshold, progress, stop):
+        self.client = client
+        self.bucket = bucket
+        self.manifest = manifest
+        self.concurrency = concurrency
+        self.part_size = part_size
+        self.threshold = threshold
+        self.progress = progress
+        self.stop = stop
+        self.tasks = queue.Queue()
+        self.error = None
+        self._err_lock = threading.Lock()
+        self.open_objs = []
+        self.verified = {}
+
+    # ------------------------------------------------------------------ driving
+    def run(self, objs):
+        ranged = []
+        for o in sorted(objs, key=lambda x: -x.size):
+            o.tmp = os.path.join(self.manifest.tmp_dir, hashlib.sha1(o.rel.encode("utf-8")).hexdigest()[:20])
+            if o.size >= self.threshold or s3verify.MULTI_ETAG.match(o.etag):
+                o.parts = max(1, -(-o.size // self.part_size))
+                ranged.append(o)
+                for i in range(o.parts):
+                    self.tasks.put((o, i))
+            else:
+                self.tasks.put((o, None))
+        self.open_objs = ranged
+        n = min(self.concurrency, self.tasks.qsize())
+        threads = [threading.Thread(target=self._worker, name="dfo-s3-%d" % i, daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)  # short waits keep the main thread responsive to signals
+        self._cleanup()
+        return self.error
+
+    def _worker(self):
+        try:
+            while not self.stop.is_set():
+                try:
+                    obj, part = self.tasks.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    if part is None:
+                        self._fetch_whole(obj)
+                    else:
+                        self._fetch_part(obj, part)
+                except Stopped:
+                    return
+                except BaseException as exc:  # noqa: BLE001 - the first failure stops every worker
+                    self._fail(exc, obj)
+                    return
+        finally:
+            self.client.close()
+
+    def _fail(self, exc, obj):
+        with self._err_lock:
+            if self.error is None:
+                self.error = (exc, obj)
+        self.stop.set()
+
+    def _cleanup(self):
+        for o in self.open_objs:
+            if o.fd is not None and not o.finished:
+                try:
+                    os.close(o.fd)
+                except OSError:
+                    pass
+                o.fd = None
+        for name in os.listdir(self.manifest.tmp_dir):
+            try:
+                os.unlink(os.path.join(self.manifest.tmp_dir, name))
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ one object, one GET
+    def _fetch_whole(self, obj):
+        for attempt in range(RETRIES):
+            fd = os.open(obj.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            counted = [0]
+            chosen = []
+
+            def on_headers(headers, chosen=chosen):
+                v = s3verify.for_whole_get(obj.etag, headers)
+                chosen.append(v)
+                return v
+
+            def prog(n, counted=counted):
+                counted[0] += n
+                self.progress.add(n)
+
+            try:
+                self.client.get_into(self.bucket, obj.key, fd, 0, obj.size, False, on_headers, prog, self.stop,
+                                     if_match=obj.etag)
+            except S3Error as exc:
+                os.close(fd)
+                self.progress.add(-counted[0])
+                if exc.retryable and attempt < RETRIES - 1:
+                    self._backoff(attempt)
+                    continue
+                raise
+            except BaseException:
+                os.close(fd)
+                self.progress.add(-counted[0])
+                raise
+            obj.got = obj.size
+            self._finalize(obj, fd, chosen[-1] if chosen else None)
+            return
+
+    # ------------------------------------------------------------------ ranged parts
+    def _prepare(self, obj):
+        with obj.lock:
+            if obj.prepared:
+                return
+            head, part1 = {}, None
+            if obj.size:
+                multipart = s3verify.MULTI_ETAG.match(obj.etag)
+                head = self._retry(lambda: self.client.head(self.bucket, obj.key, 1 if multipart else None))
+                if multipart and head.get("content-length"):
+                    part1 = int(head["content-length"])
+            obj.verifier = s3verify.for_ranged(obj.etag, obj.size, head, part1)
+            obj.fd = os.open(obj.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            obj.prepared = True
+
+    def _fetch_part(self, obj, i):
+        self._prepare(obj)
+        start = i * self.part_size
+        length = min(self.part_size, obj.size - start)
+        if length > 0:
+            counted = [0]
+
+            def prog(n):
+                counted[0] += n
+                self.progress.add(n)
+
+            for attempt in range(RETRIES):
+                try:
+                    self.client.get_into(self.bucket, obj.key, obj.fd, start, length, True, None, prog, self.stop,
+                                         if_match=obj.etag)
+                    break
+                except S3Error as exc:
+                    self.progress.add(-counted[0])
+                    counted[0] = 0
+                    if exc.retryable and attempt < RETRIES - 1:
+                        self._backoff(attempt)
+                        continue
+                    raise
+                except BaseException:
+                    self.progress.add(-counted[0])
+                    raise
+        with obj.lock:
+            obj.done.add(i)
+            obj.got += max(length, 0)
+        self._advance_hash(obj)
+        with obj.lock:
+            if obj.finished or len(obj.done) < obj.parts:
+                return
+            if obj.verifier is not None and obj.hash_next < obj.parts:
+                return
+            obj.finished = True
+        self._finalize(obj, obj.fd, obj.verifier)
+
+    def _advance_hash(self, obj):
+        """Feed the verifier the parts that are complete and contiguous from the start (read back
+        from the temp file, which the page cache still holds), in whichever worker gets there."""
+        if obj.verifier is None:
+            return
+        while True:
+            with obj.lock:
+                if obj.hashing or obj.hash_next not in obj.done:
+                    return
+                obj.hashing = True
+                i = obj.hash_next
+            try:
+                off = i * self.part_size
+                end = min(off + self.part_size, obj.size)
+                while off < end:
+                    data = os.pread(obj.fd, min(READ_CHUNK, end - off), off)
+                    if not data:
+                        raise VerifyFailed("%s: short read of the temp file at %d" % (obj.key, off))
+                    obj.verifier.update(data)
+                    off += len(data)
+            except BaseException:
+                with obj.lock:
+                    obj.hashing = False
+                raise
+            with obj.lock:  # both at once: another worker must never see part i as not yet hashed
+                obj.hash_next = i + 1
+                obj.hashing = False
+
+    # ------------------------------------------------------------------ finishing
+    def _finalize(self, obj, fd, verifier):
+        try:
+            size = os.fstat(fd).st_size
+            if size != obj.size or obj.got != obj.size:
+                raise VerifyFailed("%s: wrote %d bytes, the object has %d" % (self.client.where(self.bucket, obj.key),
+                                                                               size, obj.size))
+            if verifier is not None and not verifier.ok():
+                raise VerifyFailed("%s: %s mismatch: expected %s, got %s; the file was not kept" % (
+                    self.client.where(self.bucket, obj.key), verifier.kind, verifier.expected, verifier.actual()))
+        finally:
+            os.close(fd)
+            obj.fd = None
+        dst = os.path.join(self.manifest.dest, obj.rel)
+        parent = os.path.dirname(dst)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        os.rename(obj.tmp, dst)
+        mtime = os.stat(dst).st_mtime_ns
+        self.manifest.record(obj.rel, obj.size, obj.etag, mtime)
+        kind = verifier.kind if verifier is not None else "size"
+        self.progress.file_done(kind)
+
+    def _retry(self, fn):
+        for attempt in range(RETRIES):
+            try:
+                return fn()
+            except S3Error as exc:
+                if not exc.retryable or attempt == RETRIES - 1:
+                    raise
+                self._backoff(attempt)
+        raise AssertionError("unreachable code")
+
+    def _backoff(self, attempt):
+        if self.stop.wait(min(8.0, 0.25 * (2 ** attempt))):
+            raise Stopped()
+
+
+def describe_failure(exc, obj, dest, bucket, endpoint):
+    """(kind, message, hint) for the first failure of a run."""
+    where = "s3://%s/%s" % (bucket, obj.key) if obj is not None else "s3://%s" % bucket
+    if isinstance(exc, S3Error):
+        return exc.kind, exc.message, exc.hint
+    if isinstance(exc, VerifyFailed):
+        return "verify", str(exc), "run the command again; if it repeats, the object on S3 is damaged"
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = free_bytes(dest)
+            return ("verify", "no space left on the filesystem of %s while writing %s from %s (%s free now)"
+                    % (dest, where, endpoint, human(free)),
+                    "free space there (finished files are kept; the next run fetches only the rest)")
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return "verify", "%s is not writable (%s) while writing %s" % (dest, exc.strerror, where), \
+                "choose a destination the SSH user may write, or fix its permissions"
+        return "verify", "disk error writing %s under %s: %s" % (where, dest, exc.strerror or exc), None
+    return "internal", "%s: %s (while fetching %s)" % (type(exc).__name__, exc, where), None
+
+
+def free_bytes(path):
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def human(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024.0
+    return "%d B" % n
