@@ -191,7 +191,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--scenarios", default="crash,foreign",
                     help="comma-separated: crash, foreign, realistic (each trial runs each)")
-    ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--json", help="append the summary as one JSON line to this file")
     args = ap.parse_args()
     if "realistic" in args.scenarios:
         sys.setswitchinterval(1e-6)
@@ -220,14 +220,14 @@ def main() -> int:
         "counts": counts, "examples": examples, "seconds": round(time.perf_counter() - t0, 2),
         "guard_report": guard_report,
     }
-    if args.guard:
-        from remote.gpu import autotune_guard
-        summary["guard_stats"] = autotune_guard.stats()
+    from remote.gpu import autotune_guard
+    summary["guard_installed"] = autotune_guard.is_installed()  # also true when a sitecustomize did it
+    summary["guard_stats"] = autotune_guard.stats() if args.guard else None
     text = json.dumps(summary, indent=1, default=str)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    if args.json:  # one compact line appended: several runs can share one file
+        with open(args.json, "a") as f:
+            f.write(json.dumps(summary, default=str) + "\n")
     return 0 if all(c["failed"] == 0 for c in counts.values()) else 1
 
 

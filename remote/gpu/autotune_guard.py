@@ -274,12 +274,15 @@ def is_installed() -> bool:
     return MARKER in mod.Autotuner.__dict__
 
 
-def install(force: Optional[bool] = None, scan_existing: bool = True) -> Dict[str, Any]:
+def install(force: Optional[bool] = None, scan_existing: bool = True,
+            fast_path: Optional[bool] = None) -> Dict[str, Any]:
     """Install the guard (idempotent) and return a small report.
 
     Raises ``GuardRefused`` when triton is missing or unverified (unless forced: argument, or
     ``DFO_AUTOTUNE_GUARD_FORCE=1``). ``scan_existing`` counts (via gc) the kernels that
     already exist, and drops stale per-call attributes from their ``__dict__``.
+    ``fast_path`` (default: on for verified versions only) lets cached calls skip Triton's
+    ``run`` (see ``_make_guarded_run``); off, every call goes through the original ``run``.
     """
     triton, autotuner = _triton_modules()
     cls = autotuner.Autotuner
@@ -307,7 +310,8 @@ def install(force: Optional[bool] = None, scan_existing: bool = True) -> Dict[st
         for name in SLOTS:
             default, shared = _SLOT_SPECS[name]
             setattr(cls, name, _make_slot(name, default, shared))
-        cls.run = _make_guarded_run(original_run, fast_path=verified)
+        use_fast = verified if fast_path is None else bool(fast_path and verified)
+        cls.run = _make_guarded_run(original_run, fast_path=use_fast)
         existing = 0
         if scan_existing:
             for obj in autotuner_instances():
@@ -323,6 +327,7 @@ def install(force: Optional[bool] = None, scan_existing: bool = True) -> Dict[st
             "forced": bool(forced and not verified),
             "check": message,
             "slots": list(SLOTS),
+            "fast_path": use_fast,
             "existing_instances": existing if scan_existing else None,
             "subclasses": sorted("%s.%s" % (s.__module__, s.__qualname__) for s in subclasses),
             "subclasses_overriding_run": sorted(

@@ -106,7 +106,7 @@ def gdn_reference(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float) -> An
     return torch.stack(outs, dim=1)
 
 
-def _gdn_inputs(device: Any, B: int = 1, T: int = 128, H: int = 2, K: int = 128, V: int = 128) -> Dict[str, Any]:
+def _gdn_inputs(device: Any, B: int = 1, T: int = 128, H: int = 8, K: int = 128, V: int = 128) -> Dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
