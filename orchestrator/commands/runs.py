@@ -56,7 +56,7 @@ class _Lines:
     def note(self, host: str) -> Callable[[str], None]:
         def out(text: str) -> None:
             with _OUT:
-                err_console.print(f"[dim]dfo: {escape(text)}[/]")
+                err_console.print(f"[dim]dfo: {escape(text)}[/]", soft_wrap=True)
         return out
 
 
@@ -116,7 +116,10 @@ def _guard_line(info: steps.RunInfo) -> str | None:
         return None
     if g.get("installed"):
         return "autotune guard: installed in the trainer's interpreter"
-    return "autotune guard: enabled; no install record yet (the guard records when triton is first imported)"
+    last = g.get("last") or {}
+    if g.get("records"):
+        return f"autotune guard: NOT installed: {last.get('error') or last}"
+    return "autotune guard: enabled; no record yet (the guard records when triton is first imported)"
 
 
 # --------------------------------------------------------------------------- launch
@@ -217,8 +220,8 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
                 console.print("last lines:")
                 for ln in _recap(f, r.seen):
                     console.print("  " + escape(ln), highlight=False, soft_wrap=True)
-                for ln in render_diagnoses(f.diagnoses(r.seen)):
-                    console.print(escape(ln), highlight=False, soft_wrap=True)
+            for ln in render_diagnoses(f.diagnoses(r.seen)):
+                console.print(escape(ln), highlight=False, soft_wrap=True)
         guard = _guard_line(f)
         if guard:
             console.print("  " + guard)

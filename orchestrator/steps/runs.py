@@ -325,14 +325,17 @@ def follow(
     max_seconds: float | None = None,
     on_line: Callable[[str], None],
     on_note: Callable[[str], None] | None = None,
-    stall_s: float = STALL_S,
+    stall_s: float | None = None,
     reconnect_budget_s: float = RECONNECT_BUDGET_S,
 ) -> RunInfo:
     """Print the run's log line by line until it ends and is drained (or ``max_seconds`` pass).
 
     Returns the run as it stands at the end (``state`` is still "running" when ``max_seconds`` ran
     out first). ``lines``: start at the last N lines, or at line "+N"; None means the whole log.
+    ``stall_s`` (default $DFO_TAIL_STALL_S or 8): silence after which the link counts as dead.
     """
+    stall_s = stall_s if stall_s is not None else float(os.environ.get("DFO_TAIL_STALL_S") or STALL_S)
+    heartbeat = min(HEARTBEAT_S, stall_s / 4)
     split = LineSplitter(on_line)
     offset: int | None = None
     t_end = time.monotonic() + max_seconds if max_seconds is not None else None
@@ -362,7 +365,7 @@ def follow(
         while True:
             remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
             req = {"op": "follow", "workspace": workspace, "run": run, "job": job, "offset": offset,
-                   "lines": lines, "max_seconds": remaining, "heartbeat": HEARTBEAT_S, "tail": TAIL_FOR_DIAGNOSIS}
+                   "lines": lines, "max_seconds": remaining, "heartbeat": heartbeat, "tail": TAIL_FOR_DIAGNOSIS}
             dog.arm()
             try:
                 data = _stream(conn, req, 1e9 if remaining is None else remaining + 120, on_event)
