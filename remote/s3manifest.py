@@ -5,7 +5,7 @@ Layout under the destination directory (hidden, so globs like ``*.bin`` do not s
     DEST/.dfo/manifest.json   {"version": 1, "source": "s3://b/p/", "files": {REL: {size, etag, mtime_ns}}}
     DEST/.dfo/journal.jsonl   one line per file finished (or deleted) since manifest.json was written
     DEST/.dfo/tmp/            files being written (temp names); removed at the start of every run
-    DEST/.dfo/lock            flock'ed by the one transfer that may write DEST
+    DEST/.dfo/lock            flock'ed by the one transfer that may write DEST; holds its pid
 
 A file counts as present when its manifest entry has the source's size and ETag AND the file on
 disk still has the recorded size and mtime (so a file edited or truncated on the node is fetched
@@ -79,10 +79,14 @@ class Manifest:
                 break
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                    holder = os.pread(self._lock_fd, 32, 0).decode("ascii", "replace").strip()
                     os.close(self._lock_fd)
                     self._lock_fd = None
-                    raise BlockingIOError(errno.EAGAIN, "another dfo transfer is writing to %s" % self.dest) from None
+                    raise BlockingIOError(errno.EAGAIN, "another dfo transfer (pid %s) is writing to %s" % (
+                        holder or "?", self.dest)) from None
                 time.sleep(0.1)
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, ("%d\n" % os.getpid()).encode("ascii"), 0)  # who holds it (tests, humans)
         self._load()
         for name in os.listdir(self.tmp_dir):
             try:

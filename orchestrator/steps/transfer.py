@@ -23,7 +23,7 @@ from rich.console import Console
 from ..agent import run_module
 from ..config import LoadedJob, S3Config
 from ..connection import Connection
-from ..errors import ConfigError
+from ..errors import ConfigError, HostError, RemoteCommandError
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
 What = Literal["data", "model"]
@@ -152,7 +152,15 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
     module = "remote.s3sync" if what == "data" else "remote.s3stage"
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
-    data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
+    try:
+        data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
+    except RemoteCommandError as exc:
+        if getattr(exc, "details", None) is not None or "gave no result" not in exc.message:
+            raise
+        # no framed result at all: the SSH session died under it, or its process was killed
+        raise HostError(f"the {what} transfer on the node stopped without a result (the SSH connection "
+                        "dropped, or its process was killed)", host=conn.name,
+                        hint="finished files are kept; run the same command again to fetch the rest") from None
     status = data.get("status") or ("no change" if not data["fetched"] and not data.get("deleted") else "done")
     return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
         "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
