@@ -43,12 +43,15 @@ from remote._proto import RemoteError, emit_event, main
 from remote.provision_lib import (
     Installer,
     StepFailed,
+    _cfg_version,
+    _human,
+    _last_lines,
+    _redacted_index,
     diff_packages,
     dir_size,
     now_iso,
     parse_req,
     pkgcheck,
-    redact,
     run_tool,
     satisfied,
     tail,
@@ -192,10 +195,14 @@ class Provision:
                                  res["output_tail"][-600:]), hint="is uv in the job's index or find_links?",
                                  installer=[res])
             status, message = "done", "installed into the venv with pip: "
-        code, out = run_tool([found, "--version"], timeout=60)
-        if code != 0:
-            raise StepFailed("%s --version failed (exit %d): %s" % (found, code, tail(out, 300)))
-        version = out.strip().split()[1] if len(out.split()) > 1 else out.strip()
+            self.check(names=[])  # the packages steps compare against the venv as it is now (uv included)
+        if status == "no change" and found == self.venv + "/bin/uv" and self.before.get("uv"):
+            version = self.before["uv"]  # the venv's own uv: its metadata says which (no process to start)
+        else:
+            code, out = run_tool([found, "--version"], timeout=60)
+            if code != 0:
+                raise StepFailed("%s --version failed (exit %d): %s" % (found, code, tail(out, 300)))
+            version = out.strip().split()[1] if len(out.split()) > 1 else out.strip()
         self.inst = Installer("uv", found, self.vpy, index, ofile)
         self.installer_info = {"kind": "uv", "path": found, "version": version}
         return {"status": status, "message": "%suv %s (%s)" % (message, version, found)}
@@ -220,10 +227,11 @@ class Provision:
         if failed:
             r = failed[0]
             named = self.check(names=[], candidates=[eff])["conflicts"]
-            why = "; ".join(p["message"] for p in named[:3])
-            raise StepFailed("%s: %s exited %d%s; %s" % (line, self.inst.kind, r["exit_code"],  # type: ignore[union-attr]
-                                                         ": " + why if why else "", state),
-                             hint="the installer said: " + _last_lines(r["output_tail"]), **info)
+            pins = "".join("; " + p["message"] for p in named[:3])
+            said = _last_lines(r["output_tail"])
+            raise StepFailed("%s: %s exited %d: %s%s; %s" % (line, self.inst.kind, r["exit_code"],  # type: ignore[union-attr]
+                                                           said.split(" | ")[0][:300], pins, state),
+                             hint="the installer said: " + said, **info)
         mine = [p for p in self.relevant(k, after_state)
                 if p["package"] == key and not p.get("required_by") and p["kind"] in ("pin", "missing")]
         if mine:
@@ -245,7 +253,13 @@ class Provision:
                              hint=("if this break is deliberate, add it to overrides: with a reason" if pins
                                    else "the installer said: " + _last_lines(runs[-1]["output_tail"])), **info)
         warns = self.new_warnings(old_state["warnings"], after_state["warnings"])
-        msg = "%s %s -> %s%s" % (key, before.get(key) or "(none)", after.get(key), note)
+        if before.get(key) == after.get(key):
+            msg = "%s %s%s" % (key, after.get(key), note)
+        else:
+            msg = "%s %s -> %s%s" % (key, before.get(key) or "(none)", after.get(key), note)
+        also = [c for c in diff_packages(before, after) if not c.startswith(key + " ")]
+        if also:
+            msg += "; also changed: " + ", ".join(also)
         if warns:
             return dict(info, status="warning", message=msg + "; " + "; ".join(w["message"] for w in warns))
         return dict(info, status="done", message=msg)
@@ -307,7 +321,8 @@ class Provision:
                 shutil.rmtree(p)
             else:
                 os.unlink(p)
-        return {"status": "done", "message": "removed %s (%d files) from %s" % (_human(size), files, path),
+        return {"status": "done", "message": "removed %s (%d file%s) from %s" % (_human(size), files,
+                                                                             "" if files == 1 else "s", path),
                 "path": path, "bytes_removed": size, "files_removed": files}
 
     # ------------------------------------------------------------------ record
@@ -353,43 +368,6 @@ class Provision:
                 write_json(self.record_path, rep)
             except OSError as exc:
                 rep["record_error"] = "could not write %s: %s" % (self.record_path, exc.strerror)
-
-
-def _cfg_version(cfg: str) -> str:
-    try:
-        with open(cfg) as fh:
-            for line in fh:
-                k, _, v = line.partition("=")
-                if k.strip() in ("version", "version_info"):
-                    return v.strip()
-    except OSError:
-        pass
-    return "?"
-
-
-def _last_lines(text: str, n: int = 3) -> str:
-    """The installer's own words: from its first error line on (at most 4 lines), else its last lines."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for i, ln in enumerate(lines):
-        if ln.lower().startswith(("error", "× ", "x ")):
-            return " | ".join(lines[i:i + 4])
-    return " | ".join(lines[-n:]) or "(no output)"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
-        n /= 1024.0
-    return "%d B" % n
-
-
-def _redacted_index(index: dict) -> dict:
-    out = dict(index)
-    if out.get("url"):
-        out["url"] = redact(out["url"])
-    out["extra_urls"] = [redact(u) for u in out.get("extra_urls") or []]
-    return out
 
 
 def provision(req: dict) -> dict:

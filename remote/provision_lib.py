@@ -175,3 +175,40 @@ def triton_cache_path(configured: str | None = None) -> str:
     path = configured or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
                                                                              "cache")
     return os.path.abspath(os.path.expanduser(path))
+
+
+def _cfg_version(cfg: str) -> str:
+    try:
+        with open(cfg) as fh:
+            for line in fh:
+                k, _, v = line.partition("=")
+                if k.strip() in ("version", "version_info"):
+                    return v.strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    """The installer's own words: from its first error line on (at most 4 lines), else its last lines."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for i, ln in enumerate(lines):
+        if ln.lower().startswith(("error", "× ", "x ")):
+            return " | ".join(lines[i:i + 4])
+    return " | ".join(lines[-n:]) or "(no output)"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024.0
+    return "%d B" % n
+
+
+def _redacted_index(index: dict) -> dict:
+    out = dict(index)
+    if out.get("url"):
+        out["url"] = redact(out["url"])
+    out["extra_urls"] = [redact(u) for u in out.get("extra_urls") or []]
+    return out

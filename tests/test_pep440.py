@@ -194,3 +194,68 @@ def test_pep440_reexports_pep508_names() -> None:
     assert pep440.Requirement is pep508.Requirement
     assert pep440.SpecifierSet("==1.0").exact_version() == "1.0"
     assert pep440.SpecifierSet(">=1.0").exact_version() is None
+
+
+# --------------------------------------------------------------------------- remote.pkgcheck's logic
+
+
+class _FakeDist:
+    def __init__(self, name: str, version: str, requires: list[str]) -> None:
+        self.metadata = {"Name": name}
+        self.version = version
+        self.requires = requires
+
+
+def _dists(*specs: tuple[str, str, list[str]]) -> dict:
+    from remote import pkgcheck
+
+    out = {}
+    for name, version, requires in specs:
+        d = pkgcheck.Dist(_FakeDist(name, version, requires))
+        out[d.key] = d
+    return out
+
+
+def test_pkgcheck_names_the_broken_pin_and_the_missing_requirement() -> None:
+    from remote import pkgcheck
+
+    dists = _dists(("Fake_Torch", "2.11.0", ["fake.triton==3.6.0", "filelock", "nvidia-x; sys_platform == 'win32'"]),
+                   ("fake-triton", "3.7.0", []))
+    problems = pkgcheck.check_consistency(dists, {})
+    assert [p["message"] for p in problems] == [
+        "Fake_Torch 2.11.0 requires fake.triton==3.6.0; fake-triton is 3.7.0",
+        "Fake_Torch 2.11.0 requires filelock, which is not installed",
+    ]
+    assert problems[0]["package"] == "fake-triton" and problems[0]["required_by"] == "fake-torch"
+    assert problems[0]["kind"] == "requirement" and problems[1]["kind"] == "missing"
+
+
+def test_pkgcheck_evaluates_requirements_of_requested_extras_transitively() -> None:
+    from remote import pkgcheck
+
+    dists = _dists(("a", "1.0", ["b[gpu]>=1"]), ("b", "1.0", ["c==2; extra == 'gpu'", "d==1; extra == 'other'"]),
+                   ("c", "1.0", []))
+    extras = pkgcheck.requested_extras(["a"], dists)
+    assert extras["b"] == {"gpu"}
+    assert [p["message"] for p in pkgcheck.check_consistency(dists, extras)] == ["b 1.0 requires c==2; c is 1.0"]
+    assert pkgcheck.check_consistency(dists, {}) == []  # nobody asked for b[gpu]: its extra does not apply
+
+
+def test_pkgcheck_override_turns_only_a_matching_break_into_a_warning() -> None:
+    from remote import pkgcheck
+
+    dists = _dists(("torch", "2.11.0", ["triton==3.6.0"]), ("triton", "3.7.0", []))
+    problems = pkgcheck.check_pins(["triton==3.6.0"], dists) + pkgcheck.check_consistency(dists, {})
+    kept, warned = pkgcheck.apply_overrides(problems, [{"package": "triton==3.7.0", "reason": "sm_120 fixes"}])
+    assert kept == [] and len(warned) == 2
+    assert all(w["reason"] == "sm_120 fixes" and '"sm_120 fixes"' in w["message"] for w in warned)
+    kept, warned = pkgcheck.apply_overrides(problems, [{"package": "triton==3.8.0", "reason": "other version"}])
+    assert len(kept) == 2 and warned == []  # the override is for another version: still a problem
+
+
+def test_pkgcheck_candidates_name_who_forbids_a_version() -> None:
+    from remote import pkgcheck
+
+    dists = _dists(("torch", "2.11.0", ["triton==3.6.0"]), ("fla", "0.6.0", ["triton>=3.3"]), ("triton", "3.6.0", []))
+    found = pkgcheck.check_candidates(["triton==3.7.0", "triton>=3.7"], dists, {})
+    assert [p["message"] for p in found] == ["torch 2.11.0 requires triton==3.6.0; the job asks triton==3.7.0"]

@@ -76,9 +76,9 @@ def test_fresh_node_then_second_run_makes_no_install_call(pv: Pv) -> None:  # no
     lines = r.stdout.splitlines()
     for name in ["workspace", "venv", "installer", "faketorch==2.11.0", "faketriton==3.6.0", "fakefla==0.6.0"]:
         assert any(ln.startswith(f"{name}: no change") for ln in lines), r.stdout
-    assert any(ln.startswith("triton cache: done") and "removed 1000 B (1 files)" in ln for ln in lines), r.stdout
+    assert any(ln.startswith("triton cache: done") and "removed 1000 B (1 file)" in ln for ln in lines), r.stdout
     calls = pv.sh(f"cat {log} 2>/dev/null").stdout.splitlines()
-    assert calls == ["--version"], calls  # the installer step asks uv its version; no install command ran
+    assert calls == [], calls  # uv was not run at all
     assert pv.sh(f"ls -l --time-style=full-iso {pv.venv}/lib/python3*/site-packages").stdout == before
     assert pv.sh(f"ls -A {cache}").stdout.strip() == ""
 
@@ -110,7 +110,7 @@ def test_forbidden_pin_fails_then_override_with_reason_succeeds(pv: Pv, installe
     assert TORCH_PIN in doc["error"]["message"], doc["error"]
     assert "the venv is unchanged" in doc["error"]["message"]
     assert doc["steps"][-1]["name"] == "faketriton==3.7.0" and doc["steps"][-1]["status"] == "failed"
-    assert doc["problems"][0]["package"] == "faketriton" and doc["problems"][0]["expected"] == "faketriton==3.7.0"
+    assert doc["problems"][0]["package"] == "faketriton" and doc["problems"][0]["expected"] == "==3.7.0"
     assert pv.packages()["faketriton"] == "3.6.0"  # the failed install left the working version in place
     # human output names the pin too
     r, _ = pv.provision(job, as_json=False)

@@ -145,8 +145,13 @@ def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
             key = Requirement(failed["asked"]).key
         except (InvalidRequirement, InvalidSpecifier):
             key = None
-    head = {"kind": "install" if failed.get("installer") else "step", "package": key,
-            "expected": failed.get("effective"), "found": failed.get("after"), "message": message,
-            "step": failed.get("name")}
+    expected = None
+    if failed.get("effective"):
+        try:
+            expected = str(Requirement(failed["effective"]).specifier) or None
+        except (InvalidRequirement, InvalidSpecifier):
+            expected = None
+    head = {"kind": "install" if failed.get("installer") else "step", "package": key, "expected": expected,
+            "found": failed.get("after"), "message": message, "step": failed.get("name")}
     rest = [p for p in rep.get("problems") or [] if p.get("message") not in message]
     return [head] + rest
