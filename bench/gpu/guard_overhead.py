@@ -4,8 +4,9 @@
 Workloads, each already tuned (cached key) before timing:
 * ``tiny``: a vector add (N=4096) autotuned over 4 configs: launch-bound, so the time per call
   is almost all Python/launch overhead, the worst case for any wrapper;
-* ``fla-small`` / ``fla``: FLA ``chunk_gated_delta_rule`` forward (no grad), bf16,
-  B=1 T=512 H=8 K=V=128 (CPU-bound) and B=4 T=4096 H=8 K=V=128 (a training-sized call).
+* ``fla BxTxH``: FLA ``chunk_gated_delta_rule`` forward (no grad), bf16, K=V=128, for the
+  shapes in ``--fla-shapes`` (default 1x512x8, 4x4096x8, 16x16384x8: from launch-bound, where
+  FLA's ~450 us of Python and launches per call dominate, to GPU-bound).
 
 Variants, alternated round by round in one process (``install()``/``uninstall()``), so drift
 hits all alike: ``off`` (stock Triton), ``on`` (the guard as installed on a verified Triton:
@@ -131,10 +132,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--calls", type=int, default=20000, help="calls per round for the tiny kernel")
+    ap.add_argument("--fla-shapes", default="1x512x8:500,4x4096x8:200,16x16384x8:20",
+                    help="BxTxH:calls_per_round, comma-separated")
+    ap.add_argument("--no-tiny", action="store_true")
     ap.add_argument("--json", help="append the summary as one JSON line to this file")
     args = ap.parse_args()
     variants = ["off", "on", "on-wrapper"]
-    results = [measure("tiny", tiny_work(), args.calls, args.rounds, variants)]
+    results = [] if args.no_tiny else [measure("tiny", tiny_work(), args.calls, args.rounds, variants)]
     fla_version = None
     if not args.no_fla:
         try:
@@ -142,9 +146,11 @@ def main() -> int:
             fla_version = getattr(fla, "__version__", None)
         except ImportError:
             pass
-        if fla_version is not None:
-            results.append(measure("fla-small B1 T512 H8", fla_work(1, 512, 8), 500, args.rounds, variants))
-            results.append(measure("fla B4 T4096 H8", fla_work(4, 4096, 8), 200, args.rounds, variants))
+        for item in (s for s in args.fla_shapes.split(",") if s.strip()) if fla_version is not None else []:
+            shape, _, calls = item.partition(":")
+            B, T, H = (int(v) for v in shape.split("x"))
+            results.append(measure(f"fla B{B} T{T} H{H}", fla_work(B, T, H), int(calls or 100), args.rounds, variants))
+            torch.cuda.empty_cache()
     summary = {"script": "guard_overhead.py", "torch": torch.__version__, "triton": triton.__version__,
                "fla": fla_version, "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
                "results": results}

@@ -242,8 +242,16 @@ def run_preflight(request: Dict[str, Any]) -> Dict[str, Any]:
     data: Dict[str, Any] = {
         "gpus": [], "torch": packages["torch"], "triton": packages["triton"],
         "fla": packages["fla-core"] or packages["flash-linear-attention"], "cuda": None,
-        "arch_list": [], "triton_cache": triton_cache_info(), "problems": [],
+        "arch_list": [], "triton_cache": {}, "problems": [],
     }
+    try:
+        return _run_preflight(request, packages, data)
+    finally:
+        data["triton_cache"] = triton_cache_info()  # at the end: what the checks compiled is in it
+
+
+def _run_preflight(request: Dict[str, Any], packages: Dict[str, Optional[str]],
+                   data: Dict[str, Any]) -> Dict[str, Any]:
     problems: List[Dict[str, Any]] = data["problems"]
     try:
         import torch
