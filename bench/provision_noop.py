@@ -103,7 +103,8 @@ def main() -> None:
         else:
             inst = (f"{venv}/bin/python -m pip install --no-index --find-links {wheels} "
                     + " ".join(shlex.quote(x) for x in LINES))
-        figures[f"ssh node {a.installer} pip install (no-op)"] = timed(
+        label = "uv pip install" if a.installer == "uv" else "python -m pip install"
+        figures[f"ssh node {label} (no-op)"] = timed(
             lambda: check(subprocess.run(tb.ssh_argv(node, inst), capture_output=True)), a.repeat)
 
     print(f"first provision (fresh venv, {a.installer}): {first:.2f}s")
