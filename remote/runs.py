@@ -333,11 +333,14 @@ def follow(req):
     log = os.path.join(run_dir, rec.LOG)
     offset = start_offset(log, req)
     hb = float(req.get("heartbeat") or 2.0)
+    coalesce = float(req.get("coalesce") or 0)
     deadline = time.time() + float(req["max_seconds"]) if req.get("max_seconds") is not None else None
     state = rec.run_state(run_dir)
     meta = state[1] or {}
     emit_event({"start": offset, "run": run_id, "job": meta.get("job"), "pid": meta.get("pid")})
     watch = _Watch(run_dir, log)
+    end_path = os.path.join(run_dir, rec.END)
+    check_every = 2.0 if watch.fd is not None else 0.5  # full state check (pids): catches a lost run
     f = None
     last_sent = last_check = time.time()
     ended = state if state[0] != "running" else None
@@ -349,14 +352,16 @@ def follow(req):
         if data:
             emit_event(_chunk_event(offset, data))
             offset += len(data)
-            last_sent = time.time()
+            prev_sent, last_sent = last_sent, time.time()
             if deadline is not None and last_sent >= deadline and ended is None:
                 break
+            if coalesce and len(data) < rec.CHUNK and last_sent - prev_sent < 0.02:
+                time.sleep(coalesce)  # a fast log: let lines gather (fewer events, less CPU on both ends)
             continue
         if ended is not None:
             break  # the run had ended before this read reached the end of the log: drained
         now = time.time()
-        if now - last_check >= 0.5:
+        if os.path.exists(end_path) or now - last_check >= check_every:  # end.json wakes inotify at once
             last_check = now
             st = rec.run_state(run_dir)
             if st[0] != "running":
@@ -367,7 +372,7 @@ def follow(req):
         if now - last_sent >= hb:
             emit_event({"hb": offset})
             last_sent = now
-        watch.wait(0.5)
+        watch.wait(min(check_every, hb))
     info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=ended or rec.run_state(run_dir))
     info["offset"] = offset
     return info

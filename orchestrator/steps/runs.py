@@ -42,6 +42,7 @@ HEARTBEAT_S = 2.0
 STALL_S = 8.0
 RECONNECT_BUDGET_S = 300.0
 TAIL_FOR_DIAGNOSIS = 80
+COALESCE_MS = 5.0  # a log faster than 50 lines/s is sent in batches at most this far apart
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
 PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
 
@@ -365,7 +366,8 @@ def follow(
         while True:
             remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
             req = {"op": "follow", "workspace": workspace, "run": run, "job": job, "offset": offset,
-                   "lines": lines, "max_seconds": remaining, "heartbeat": heartbeat, "tail": TAIL_FOR_DIAGNOSIS}
+                   "lines": lines, "max_seconds": remaining, "heartbeat": heartbeat, "tail": TAIL_FOR_DIAGNOSIS,
+                   "coalesce": float(os.environ.get("DFO_TAIL_COALESCE_MS") or COALESCE_MS) / 1000}
             dog.arm()
             try:
                 data = _stream(conn, req, 1e9 if remaining is None else remaining + 120, on_event)
