@@ -79,7 +79,7 @@ def _run_check(name: str, fn: Callable[[], Tuple[bool, str]]) -> Dict[str, Any]:
 
 
 def _rel_rms(a: Any, b: Any) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
