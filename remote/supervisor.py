@@ -109,32 +109,42 @@ def leftovers(meta):
 
 
 def cgroup_oom_kills():
-    """The oom_kill counter of this process's cgroup (v2), or None where it cannot be read."""
+    """The oom_kill counter of this process's memory cgroup (v2 memory.events, v1 memory.oom_control)."""
     try:
         with open("/proc/self/cgroup") as f:
-            rel = [ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")]
-        if not rel:
-            return None
-        with open("/sys/fs/cgroup" + rel[0].rstrip("/") + "/memory.events") as f:
-            for ln in f:
-                if ln.startswith("oom_kill "):
-                    return int(ln.split()[1])
-    except (OSError, ValueError, IndexError):
+            entries = [ln.rstrip("\n").split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
         return None
+    files = []
+    for hid, ctrls, path in entries:
+        if hid == "0" and not ctrls:
+            files.append("/sys/fs/cgroup%s/memory.events" % path.rstrip("/"))
+        elif "memory" in ctrls.split(","):
+            files.append("/sys/fs/cgroup/memory%s/memory.oom_control" % path.rstrip("/"))
+    for name in files:
+        try:
+            with open(name) as f:
+                for ln in f:
+                    if ln.startswith("oom_kill "):
+                        return int(ln.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
     return None
 
 
-_OOM_LINE = re.compile(r"out of memory|oom-kill|oom_reaper|killed process|memory cgroup out of memory", re.I)
+_OOM_LINE = re.compile(r"out of memory|oom-kill|oom_reaper|killed process", re.I)
+_STAMP = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
 
 
-def _kmsg_lines(limit=4000):
-    lines = []
+def _kmsg():
+    """(seconds since boot, text) of /dev/kmsg's records, or None where it cannot be read."""
+    out = []
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        while len(lines) < 100000:
+        while len(out) < 200000:
             try:
                 rec = os.read(fd, 8192)
             except BlockingIOError:
@@ -144,31 +154,41 @@ def _kmsg_lines(limit=4000):
             if not rec:
                 break
             head, _, msg = rec.decode("utf-8", "replace").partition(";")
-            lines.append(msg.split("\n", 1)[0])
+            fields = head.split(",")
+            ts = int(fields[2]) / 1e6 if len(fields) > 2 and fields[2].isdigit() else None
+            out.append((ts, msg.split("\n", 1)[0]))
     finally:
         os.close(fd)
-    return lines[-limit:]
+    return out
 
 
-def _cmd_lines(argv):
+def _stamped(argv):
+    """(seconds since boot, text) of a command's "[ 123.456] text" lines, or None if it failed."""
     try:
         res = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     if res.returncode != 0:
         return None
-    return res.stdout.decode("utf-8", "replace").splitlines()[-4000:]
+    out = []
+    for ln in res.stdout.decode("utf-8", "replace").splitlines()[-20000:]:
+        m = _STAMP.match(ln)
+        out.append((float(m.group(1)), m.group(2)) if m else (None, ln))
+    return out
 
 
-def kernel_oom_words(pids):
-    """(source, lines): the kernel's OOM lines, those naming ``pids`` first; source None if unreadable."""
-    for source, getter in (("dmesg", lambda: _cmd_lines(["dmesg"])),
-                           ("/dev/kmsg", _kmsg_lines),
-                           ("journalctl", lambda: _cmd_lines(["journalctl", "-k", "-n", "2000", "--no-pager", "-q"]))):
+def kernel_oom_words(pids, since):
+    """(source, lines): the kernel's OOM lines logged since ``since`` (CLOCK_MONOTONIC, as the kernel
+    stamps its log), those naming one of ``pids`` first; source None where no log is readable."""
+    sources = (("dmesg", lambda: _stamped(["dmesg"])), ("/dev/kmsg", _kmsg),
+               ("journalctl", lambda: _stamped(["journalctl", "-k", "-o", "short-monotonic", "-n", "5000",
+                                                "--no-pager", "-q"])))
+    for source, getter in sources:
         lines = getter()
         if lines is None:
             continue
-        hits = [ln.strip() for ln in lines if _OOM_LINE.search(ln)]
+        hits = [text.strip() for ts, text in lines
+                if (ts is None or ts >= since - 1) and _OOM_LINE.search(text)]
         mine = [ln for ln in hits if any(re.search(r"\b%d\b" % p, ln) for p in pids)]
         return source, (mine or hits)[-4:]
     return None, []
@@ -283,7 +303,7 @@ def supervise(run_dir, status_fd):
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     log_fd = os.open(os.path.join(run_dir, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    oom_before = cgroup_oom_kills()
+    oom_before, t_start = cgroup_oom_kills(), time.monotonic()
     try:
         proc = subprocess.Popen(
             ["bash", "-c", spec["command"]], cwd=spec["workdir"], env=spec["env"],
@@ -328,7 +348,7 @@ def supervise(run_dir, status_fd):
     killed = end["signal"] == "SIGKILL" or code == 128 + signal.SIGKILL
     if killed and stop is None:
         end["oom_suspected"] = True
-        source, lines = kernel_oom_words([proc.pid])
+        source, lines = kernel_oom_words([proc.pid], t_start)
         end["kernel_source"], end["kernel"] = source, lines
         after = cgroup_oom_kills()
         if oom_before is not None and after is not None:

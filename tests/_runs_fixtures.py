@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,43 @@ def inventory_copy(tb: Testbed, tmp_path: Path) -> Path:
 
 def expected_lines(n: int) -> list[str]:
     return [f"line {i:06d}" for i in range(n)]
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_mb: int) -> Iterator[str | None]:
+    """A child of this process's memory cgroup limited to ``limit_mb`` (cgroup v1 or v2); yields the
+    file a shell writes its pid into to join it, or None where no such cgroup can be made here."""
+    made: Path | None = None
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            hid, ctrls, path = line.split(":", 2)
+            if "memory" in ctrls.split(","):
+                base, procs, limits = Path("/sys/fs/cgroup/memory" + path), "tasks", ["memory.limit_in_bytes",
+                                                                                        "memory.memsw.limit_in_bytes"]
+            elif hid == "0" and not ctrls and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+                base, procs, limits = Path("/sys/fs/cgroup" + path), "cgroup.procs", ["memory.max", "memory.swap.max"]
+            else:
+                continue
+            d = base / f"dfo-oom-{secrets.token_hex(3)}"
+            try:
+                d.mkdir()
+            except OSError:
+                continue
+            made = d
+            try:
+                (d / limits[0]).write_text(str(limit_mb << 20))
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                (d / limits[1]).write_text(str(limit_mb << 20) if "memsw" in limits[1] else "0")
+            yield str(d / procs)
+            return
+        yield None
+    finally:
+        if made is not None:
+            for _ in range(50):  # empty once the killed process is reaped
+                try:
+                    made.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)

@@ -18,6 +18,7 @@ from tests._runs_fixtures import (
     dfo_popen,
     expected_lines,
     inventory_copy,
+    memory_cgroup,
 )
 
 on_testbed = pytest.mark.testbed
@@ -133,6 +134,34 @@ def test_sigkill_is_flagged_as_likely_oom(env: RunsEnv) -> None:
     assert h["diagnosis"][0]["line"].startswith("ended by signal SIGKILL")
     end = env.run_file(h["run"], "end.json")
     assert end["oom_suspected"] is True and "kernel_source" in end
+
+
+@on_testbed
+def test_an_oom_kill_is_reported_with_the_kernels_word(env: RunsEnv) -> None:
+    go = f"/root/runs-test/go-{env.tmp.name}"
+    hog = ("import os, sys, time\n"
+           "while not os.path.exists(sys.argv[1]):\n"  # until the test has put us in the small cgroup
+           "    time.sleep(0.05)\n"
+           "chunks = []\n"
+           "for i in range(1024):\n"
+           "    chunks.append(bytearray(1 << 20))\n"
+           "    if i % 16 == 0:\n"
+           "        print('allocated', i, 'MiB', flush=True)\n")
+    with memory_cgroup(64) as procs:
+        if procs is None:
+            pytest.skip("no memory cgroup can be made here to trigger a real OOM kill")
+        job, _ = env.job(f"python3 hog.py {go}", {"hog.py": hog})
+        h = env.launch(job)
+        Path(procs).write_text(str(h["pid"]))  # from this machine: the node does not mount cgroupfs
+        env.node_sh(f"touch {go}")
+        st = env.wait_state(h["run"], ("failed", "succeeded", "lost"), timeout=30)
+    assert st["state"] == "failed" and st["signal"] == "SIGKILL", st
+    assert st["diagnosis"][0]["name"] == "killed-sigkill"
+    end = env.run_file(h["run"], "end.json")
+    assert end["oom_suspected"] is True
+    if end["kernel_source"] is not None:  # the node lets dfo read the kernel log: its word is quoted
+        assert any(f"Killed process {h['pid']} " in k for k in end["kernel"]), end
+        assert f"Killed process {h['pid']} (python3)" in st["diagnosis"][0]["line"]
 
 
 @on_testbed

@@ -364,7 +364,8 @@ def _render_status(host: str, runs: list[steps.RunInfo], detail: bool) -> None:
     for r in runs:
         ds = r.diagnoses()
         if ds:
-            console.print(f"  {r.id}: {ds[0].title}: {escape(ds[0].action)}", highlight=False, soft_wrap=True)
+            console.print(f"  {r.id}: {ds[0].title} (details: {_dfo(click.get_current_context(), 'status', '-H', host, r.id)})",
+                          highlight=False, soft_wrap=True)
 
 
 @click.command("status")
