@@ -231,7 +231,7 @@ class S3Client:
         return {k.lower(): v for k, v in resp.getheaders()}
 
     def get_into(self, bucket, key, fd, start, length, ranged, on_headers=None, progress=None, stop=None,
-                 if_match=None):
+                 if_match=None, write_lock=None):
         """GET ``length`` bytes of the object from ``start`` (a Range request when ``ranged``) and
         write them into ``fd`` at offset ``start``.
 
@@ -274,8 +274,14 @@ class S3Client:
                                   % (self.where(bucket, key), off - start, length), retryable=True)
                 chunk = buf[:n]
                 w = 0
-                while w < n:  # an OSError here is the disk's (ENOSPC, EIO ...): the caller's to report
-                    w += os.pwrite(fd, chunk[w:], off + w)
+                if write_lock is not None:
+                    write_lock.acquire()
+                try:
+                    while w < n:  # an OSError here is the disk's (ENOSPC, EIO ...): the caller's to report
+                        w += os.pwrite(fd, chunk[w:], off + w)
+                finally:
+                    if write_lock is not None:
+                        write_lock.release()
                 if hasher is not None:
                     hasher.update(chunk)
                 off += n

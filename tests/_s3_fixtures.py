@@ -42,23 +42,33 @@ class Dataset:
         return {k: hashlib.sha256(v).hexdigest() for k, v in self.files.items()}
 
 
-def upload(tb: Testbed, bucket: str, prefix: str, files: dict[str, bytes], multipart: set[str] = frozenset()) -> Dataset:
-    """Put files on the testbed's S3: single PUTs (plain MD5 ETags), and multipart uploads in 5 MiB parts
-    (ETag "<md5>-N") for the names in ``multipart``."""
+def upload(tb: Testbed, bucket: str, prefix: str, files: dict[str, bytes], multipart: set[str] = frozenset(),
+           bare: set[str] = frozenset()) -> Dataset:
+    """Put files on the testbed's S3: single PUTs (plain MD5 ETags); multipart uploads in 5 MiB parts
+    (ETag "<md5>-N") for the names in ``multipart``, with boto3's default COMPOSITE CRC32 checksum, or
+    without any checksum for the names also in ``bare``."""
+    import io
+
     from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
 
     assert tb.s3 is not None
     tb.s3.create_bucket(bucket)
     client = tb.s3.client()
+    plain = client
+    if bare:
+        import boto3
+
+        plain = boto3.client("s3", endpoint_url=tb.s3.url, aws_access_key_id=tb.s3.access_key,
+                             aws_secret_access_key=tb.s3.secret_key, region_name=tb.s3.region,
+                             config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"))
     cfg = TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB)
 
     def put(item: tuple[str, bytes]) -> None:
         rel, data = item
         key = prefix + rel
         if rel in multipart:
-            import io
-
-            client.upload_fileobj(io.BytesIO(data), bucket, key, Config=cfg)
+            (plain if rel in bare else client).upload_fileobj(io.BytesIO(data), bucket, key, Config=cfg)
         else:
             client.put_object(Bucket=bucket, Key=key, Body=data)
 
@@ -73,15 +83,17 @@ def random_files(count: int, size: int, name: str = "part-{i:04d}.bin") -> dict[
 
 @pytest.fixture(scope="module")
 def mixed(testbed: Testbed) -> Dataset:
-    """40 small objects in nested folders, an empty one, a 9 MiB single-PUT and a 12 MiB multipart object
-    (the jobs below fetch objects >= 8 MiB in 5 MiB ranged parts)."""
+    """40 small objects in nested folders, an empty one, a 9 MiB single PUT, a 12 MiB multipart upload with a
+    composite CRC32 and an 11 MiB one without checksums (jobs fetch objects >= 8 MiB in 5 MiB ranged parts)."""
     files: dict[str, bytes] = {}
     for i in range(40):
         files[f"shards/{i % 4}/s-{i:03d}.bin"] = os.urandom(1024 * (1 + (i * 37) % 64))
     files["empty.txt"] = b""
     files["big/plain-9m.bin"] = os.urandom(9 * MIB)
     files["big/multi-12m.bin"] = os.urandom(12 * MIB)
-    return upload(testbed, "mixed-" + secrets.token_hex(3), "data/", files, multipart={"big/multi-12m.bin"})
+    files["big/bare-11m.bin"] = os.urandom(11 * MIB)
+    return upload(testbed, "mixed-" + secrets.token_hex(3), "data/", files,
+                  multipart={"big/multi-12m.bin", "big/bare-11m.bin"}, bare={"big/bare-11m.bin"})
 
 
 @pytest.fixture(scope="module")

@@ -85,18 +85,39 @@ def _multipart_etag(data: bytes, part: int) -> str:
     return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
-@pytest.mark.parametrize("size", [5 * 1024, 15 * 1024, 15 * 1024 + 1])
-def test_multipart_etag_verifier_in_odd_chunks(size: int) -> None:
+def _composite_crc32(data: bytes, part: int) -> str:
+    crcs = b"".join(zlib.crc32(data[i:i + part]).to_bytes(4, "big") for i in range(0, len(data), part))
+    return base64.b64encode(zlib.crc32(crcs).to_bytes(4, "big")).decode() + f"-{-(-len(data) // part)}"
+
+
+def _feed_parts(v: s3verify.PartsVerifier, data: bytes, download_part: int) -> None:
+    """Download parts in reverse order (as workers may finish them), each fed in odd-sized chunks."""
+    for start in reversed(range(0, len(data), download_part)):
+        seg = v.segment(start, min(download_part, len(data) - start))
+        chunk = data[start:start + download_part]
+        for i in range(0, len(chunk), 777):
+            seg.update(chunk[i:i + 777])
+
+
+@pytest.mark.parametrize("size", [5 * 1024, 15 * 1024, 15 * 1024 + 1, 20 * 1024 - 3])
+def test_parts_verifiers_match_what_s3_computes(size: int) -> None:
     data, part = os.urandom(size), 5 * 1024
     etag = _multipart_etag(data, part)
     v = s3verify.for_ranged(etag, size, {}, part1_size=part)
-    assert v is not None and v.kind == "md5-multipart"
-    for i in range(0, size, 777):
-        v.update(data[i:i + 777])
+    assert isinstance(v, s3verify.PartsVerifier) and v.kind == "md5-multipart"
+    _feed_parts(v, data, 2 * part)  # download parts of two upload parts each
     assert v.ok() and v.actual() == etag
+    crc = _composite_crc32(data, part)
+    head = {"x-amz-checksum-crc32": crc, "x-amz-checksum-type": "COMPOSITE"}
+    v = s3verify.for_ranged(etag, size, head, part1_size=part)
+    assert v.kind == "crc32-composite"  # the cheaper check wins
+    _feed_parts(v, data, part)
+    assert v.ok() and v.actual() == crc
     bad = s3verify.for_ranged(etag, size, {}, part1_size=part)
-    bad.update(data[:-1] + bytes([data[-1] ^ 1]))
+    _feed_parts(bad, data[:-1] + bytes([data[-1] ^ 1]), part)
     assert not bad.ok()
+    with pytest.raises(ValueError):
+        v.segment(1, 10)  # a download part must start on an upload part boundary
 
 
 def test_verifier_choice() -> None:
