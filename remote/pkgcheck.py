@@ -254,10 +254,19 @@ def module_versions(names: list, dists: dict) -> tuple:
 
 
 def _same_version(a: str, b: str) -> bool:
+    """Equal as public versions: a local label on one side only is a build tag, not another
+    release (torch's module says 2.11.0+cu130 where some images record the distribution as 2.11.0,
+    as seen on an H200 image)."""
     try:
-        return Version(a) == Version(b)
+        va, vb = Version(a), Version(b)
     except ValueError:
         return a.strip() == b.strip()
+    if va == vb:
+        return True
+    la, lb = a.partition("+")[2], b.partition("+")[2]
+    if bool(la) != bool(lb):
+        return Version(a.partition("+")[0]) == Version(b.partition("+")[0])
+    return False
 
 
 def apply_overrides(problems: list, overrides: list) -> tuple:

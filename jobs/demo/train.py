@@ -19,6 +19,7 @@ and sequential warmup: ``run.autotune_guard: true``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -69,14 +70,15 @@ def batches(tokens: torch.Tensor, doc_ids: torch.Tensor, seq_len: int, batch: in
 
 # --------------------------------------------------------------------------- models
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, kind: str) -> None:
+    def __init__(self, d: int, heads: int, kind: str, idx: int = 0) -> None:
         super().__init__()
         self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.kind, self.heads = kind, heads
         if kind == "fla":
             from fla.layers import GatedDeltaNet  # GPU only
 
-            self.mix = GatedDeltaNet(hidden_size=d, num_heads=heads, head_dim=d // heads, mode="chunk")
+            self.mix = GatedDeltaNet(hidden_size=d, num_heads=heads, head_dim=d // heads, expand_v=1.0, mode="chunk",
+                                     use_short_conv=True, use_gate=True, layer_idx=idx)
         else:
             self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -98,7 +100,7 @@ class Target(nn.Module):
         super().__init__()
         d = cfg["d_model"]
         self.emb = nn.Embedding(cfg["vocab"], d)
-        self.blocks = nn.ModuleList(Block(d, cfg["n_heads"], kind) for _ in range(cfg["n_layers"]))
+        self.blocks = nn.ModuleList(Block(d, cfg["n_heads"], kind, i) for i in range(cfg["n_layers"]))
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     offsets = torch.arange(1, a.block_size + 1)
 
     def target_forward(i: int, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return targets[i](x.to(devices[i])).float().to(devices[0])
+        dev = torch.device(devices[i])
+        with torch.no_grad(), (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):
+            return targets[i](x.to(dev)).float().to(devices[0])
 
     if a.warmup and n_dev > 1:
         sys.path.insert(0, os.environ.get("DFO_AGENT_DIR", ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from ..cli_common import console, emit, hosts_option, job_option, json_option, session
@@ -58,9 +59,10 @@ def render(host: str, r: VerifyReport) -> None:
                        "-" if fla is None else ("ok" if fla else "[red]FAIL[/]"), f"{g.get('seconds', 0):.2f}")
         console.print(gt)
     for w in r.warnings:
-        console.print(f"[yellow]warning[/]: {w.message}" + (f" (override: {w.reason})" if w.reason and w.reason not in w.message else ""))
+        extra = f" (override: {w.reason})" if w.reason and w.reason not in w.message else ""
+        console.print(f"[yellow]warning[/]: {escape(w.message + extra)}")
     for p in r.problems:
-        console.print(f"[red]problem[/]: {p.message}")
+        console.print(f"[red]problem[/]: {escape(p.message)}")
 
 
 @click.command("verify-env")
