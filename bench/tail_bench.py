@@ -162,7 +162,7 @@ def poll(inv: Path, node: str, run: str, n: int, cpu: NodeCpu, every: float) -> 
     cpu.join()
     lat.sort()
     return {"lines": len(lat), "median_ms": statistics.median(lat), "p99_ms": lat[int(0.99 * (len(lat) - 1))],
-            "max_ms": lat[-1], "node_cpu_s": cpu.seconds(), "client_cpu_s": float("nan")}
+            "max_ms": lat[-1], "node_cpu_s": cpu.seconds(), "client_cpu_s": None}
 
 
 def main() -> int:
@@ -208,7 +208,7 @@ def main() -> int:
                 results.append(res)
                 print(f"{tool:12s} {rate:7.0f} lines/s: {res['lines']} lines, latency median {res['median_ms']:.1f} ms, "
                       f"p99 {res['p99_ms']:.1f} ms, max {res['max_ms']:.1f} ms; node CPU {res['node_cpu_s']:.2f} s, "
-                      f"client CPU {res['client_cpu_s']:.2f} s", flush=True)
+                      "client CPU " + ("-" if res["client_cpu_s"] is None else f"{res['client_cpu_s']:.2f} s"), flush=True)
                 time.sleep(1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
