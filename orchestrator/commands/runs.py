@@ -104,6 +104,9 @@ def _recap(info: steps.RunInfo, seen: list[str]) -> list[str]:
 
 def _how(info: steps.RunInfo) -> str:
     if info.state == "lost":
+        if info.group_left:
+            return (f"the trainer and its supervisor are gone with no end record, but {len(info.group_left)} "
+                    "processes of its group are still alive: dfo stop ends them")
         return "its processes are gone and nothing recorded how it ended"
     if info.signal:
         return f"killed by {info.signal}"
@@ -335,7 +338,8 @@ def _render_status(host: str, runs: list[steps.RunInfo], detail: bool) -> None:
         t.add_column(style="bold")
         t.add_column()
         style = STATE_STYLE.get(r.state, "white")
-        for k, v in [("job", r.job), ("state", f"[{style}]{r.state}[/]"), ("pid", str(r.pid)),
+        for k, v in [("job", r.job), ("state", f"[{style}]{r.state}[/]" + (f" ({_how(r)})" if r.state == "lost" else "")),
+                     ("pid", str(r.pid)),
                      ("started", _when(r.started)), ("ended", _when(r.ended)), ("duration", _duration(r)),
                      ("exit", _exit(r)), ("command", escape(r.command or "")), ("workdir", r.workdir),
                      ("run dir", r.run_dir)]:
