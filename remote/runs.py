@@ -372,7 +372,7 @@ def follow(req):
         if now - last_sent >= hb:
             emit_event({"hb": offset})
             last_sent = now
-        watch.wait(min(check_every, hb))
+        watch.wait(max(0.0, min(check_every, hb, deadline - now if deadline is not None else hb)))
     info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=ended or rec.run_state(run_dir))
     info["offset"] = offset
     return info
