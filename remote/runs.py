@@ -13,6 +13,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,8 +230,11 @@ def _start(req, run_id, run_dir, uploads):
     finally:
         os.close(w)
         os.close(log_fd)
-    sup.stdin.write(spec.encode())
-    sup.stdin.close()
+    try:
+        sup.stdin.write(spec.encode())
+        sup.stdin.close()
+    except OSError:
+        pass  # it died at once: its report (or its absence) below says why
     raw, deadline = b"", time.time() + 30
     while time.time() < deadline:
         ready, _, _ = select.select([r], [], [], 0.5)
@@ -244,8 +248,10 @@ def _start(req, run_id, run_dir, uploads):
         got = json.loads(raw.decode() or "{}")
     except ValueError:
         got = {}
-    if "pid" not in got:
-        why = got.get("error") or "the supervisor did not report (see %s)" % os.path.join(run_dir, rec.LOG)
+    if "pid" not in got:  # no trainer: leave no half-made run behind
+        said = rec.tail_lines(os.path.join(run_dir, rec.LOG), 5)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        why = got.get("error") or "the supervisor did not report" + (": " + " / ".join(said) if said else "")
         raise RemoteError("run_failed", "could not start the trainer: %s" % why, run=run_id)
     info = describe(run_id, run_dir)
     info["uploads"] = uploads

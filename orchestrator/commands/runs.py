@@ -54,9 +54,10 @@ class _Lines:
         return out
 
     def note(self, host: str) -> Callable[[str], None]:
+        """dfo's own remarks (uploads, reconnects): stderr, so stdout stays the log."""
         def out(text: str) -> None:
             with _OUT:
-                err_console.print(f"[dim]dfo: {escape(text)}[/]", soft_wrap=True)
+                err_console.print(f"[dim]dfo: {escape(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
         return out
 
 
