@@ -17,12 +17,14 @@ import os
 import socket
 import ssl
 import threading
+import time
 import xml.etree.ElementTree as ET
 from urllib.parse import urlsplit
 
 from remote.s3sig import sign, uri_encode
 
 BUF_SIZE = 1 << 20
+LIST_RETRIES = 3
 RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
 
 
@@ -123,8 +125,9 @@ class S3Client:
         return "s3://%s/%s (%s)" % (bucket, key, self.endpoint)
 
     # ------------------------------------------------------------------ requests
-    def request(self, method, bucket, key="", query=(), headers=None):
-        """Send one request and return the response with its body unread (status not checked)."""
+    def request(self, method, bucket, key="", query=(), headers=None, label=None):
+        """Send one request and return the response with its body unread (status not checked).
+        ``label`` names what is asked for in error messages (default: the key)."""
         netloc, path = self._target(bucket, key)
         hdrs = {"host": netloc}
         hdrs.update(headers or {})
@@ -142,11 +145,11 @@ class S3Client:
                 # a keep-alive connection the server closed while idle: reopen once, quietly
                 self._drop(netloc)
                 if attempt:
-                    raise S3Error("unreachable", "%s: connection lost: %s" % (self.where(bucket, key), exc),
+                    raise S3Error("unreachable", "%s: connection lost: %s" % (self.where(bucket, label or key), exc),
                                   retryable=True) from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(netloc)
-                raise self._net_error(exc, bucket, key) from None
+                raise self._net_error(exc, bucket, label or key) from None
         raise AssertionError("unreachable code")
 
     def _net_error(self, exc, bucket, key):
@@ -202,8 +205,18 @@ class S3Client:
             query = [("list-type", "2"), ("prefix", prefix), ("max-keys", "1000")]
             if token:
                 query.append(("continuation-token", token))
-            resp = self.check(self.request("GET", bucket, "", query), bucket, prefix, "GET")
-            body = resp.read()
+            for attempt in range(LIST_RETRIES):
+                try:
+                    resp = self.check(self.request("GET", bucket, "", query, label=prefix), bucket, prefix, "GET")
+                    body = resp.read()
+                    break
+                except (S3Error, OSError, http.client.HTTPException) as exc:
+                    self._drop(self._target(bucket, "")[0])
+                    err = exc if isinstance(exc, S3Error) else S3Error(
+                        "unreachable", "%s: listing broke: %s" % (self.where(bucket, prefix), exc), retryable=True)
+                    if not err.retryable or attempt == LIST_RETRIES - 1:
+                        raise err from None
+                    time.sleep(0.25 * 2 ** attempt)
             try:
                 root = ET.fromstring(body)
             except ET.ParseError as exc:
@@ -231,16 +244,18 @@ class S3Client:
         return {k.lower(): v for k, v in resp.getheaders()}
 
     def get_into(self, bucket, key, fd, start, length, ranged, on_headers=None, progress=None, stop=None,
-                 if_match=None, write_lock=None):
+                 if_match=None, write_lock=None, checksums=True):
         """GET ``length`` bytes of the object from ``start`` (a Range request when ``ranged``) and
         write them into ``fd`` at offset ``start``.
 
         ``on_headers(headers) -> hasher|None`` sees the response headers (lower-case names) before
         the body and may return an object whose ``update`` gets every byte in order. ``if_match``
         (the listed ETag) makes S3 refuse (412) an object that changed since it was listed.
+        ``checksums`` asks S3 for the object's checksums (x-amz-checksum-mode); ``write_lock`` is held
+        around each write into ``fd``.
         Return the response headers.
         """
-        headers = {"x-amz-checksum-mode": "ENABLED"}
+        headers = {"x-amz-checksum-mode": "ENABLED"} if checksums else {}
         if ranged:
             headers["range"] = "bytes=%d-%d" % (start, start + length - 1)
         if if_match:

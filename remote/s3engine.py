@@ -176,7 +176,7 @@ class Engine:
 
             try:
                 self.client.get_into(self.bucket, obj.key, fd, 0, obj.size, False, on_headers, prog, self.stop,
-                                     if_match=obj.etag)
+                                     if_match=obj.etag, checksums=not s3verify.PLAIN_ETAG.match(obj.etag))
             except S3Error as exc:
                 os.close(fd)
                 self.progress.add(-counted[0])
@@ -231,7 +231,7 @@ class Engine:
                 try:
                     self.client.get_into(self.bucket, obj.key, obj.fd, start, length, True,
                                          (lambda _h, seg=seg: seg), prog, self.stop, if_match=obj.etag,
-                                         write_lock=obj.wlock)
+                                         write_lock=obj.wlock, checksums=False)
                     break
                 except S3Error as exc:
                     self.progress.add(-counted[0])
@@ -354,6 +354,6 @@ def human(n):
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+            return "%d %s" % (n, unit) if unit == "B" else "%.*f %s" % (2 if unit in ("GiB", "TiB") else 1, n, unit)
         n /= 1024.0
     return "%d B" % n
