@@ -56,7 +56,7 @@ def test_tail_shows_every_line_once_while_the_connection_is_cut(make_testbed, tm
 
 @on_testbed
 def test_run_outlives_the_controller_and_tail_picks_it_up(env: RunsEnv) -> None:
-    n = 150
+    n = 200
     job, name = env.job(f"python3 count.py {n} 0.04", {"count.py": COUNTER})
     # launch watches for 30 s; kill the controller in the middle of it, hard
     p = dfo_popen(env.inv, "launch", "-H", env.node.name, "-j", str(job), "--wait", "30")
@@ -67,6 +67,12 @@ def test_run_outlives_the_controller_and_tail_picks_it_up(env: RunsEnv) -> None:
     runs = json.loads(st.stdout)["hosts"][env.node.name]["runs"]
     assert len(runs) == 1 and runs[0]["state"] == "running" and runs[0]["job"] == name
     run = runs[0]["id"]
+    # a tail killed hard leaves the run alone too
+    t = dfo_popen(env.inv, "tail", "-H", env.node.name, run)
+    time.sleep(2)
+    t.kill()
+    t.communicate(timeout=10)
+    assert env.status(run)["state"] == "running"
     # a tail that gets Ctrl-C detaches (exit 130) and leaves the run alone
     t = dfo_popen(env.inv, "tail", "-H", env.node.name, run)
     time.sleep(2)
@@ -300,6 +306,7 @@ def test_autotune_guard_is_put_on_the_trainers_path(env: RunsEnv) -> None:
     assert guard["records"] == 1 and guard["installed"] is False and guard["last"]["installed"] is False
     r = env.dfo("status", "-H", env.node.name, h["run"])
     assert "NOT installed" in r.stdout, r.stdout
+    assert env.status(h["run"])["autotune_guard"]["records"] == 1
 
 
 # --------------------------------------------------------------------------- unit tests (no testbed)

@@ -89,7 +89,8 @@ class RunInfo(BaseModel):
         """The status contract: id, job, state, exit_code, started, ended (+ a few extras)."""
         return {"id": self.id, "job": self.job, "state": self.state, "exit_code": self.exit_code,
                 "started": self.started, "ended": self.ended, "signal": self.signal, "pid": self.pid,
-                "last_line": self.last_line, "diagnosis": [d.to_json() for d in self.diagnoses()]}
+                "last_line": self.last_line, "autotune_guard": self.autotune_guard,
+                "diagnosis": [d.to_json() for d in self.diagnoses()]}
 
 
 # --------------------------------------------------------------------------- job -> request
