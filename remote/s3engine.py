@@ -331,10 +331,11 @@ def describe_failure(exc, obj, dest, bucket, endpoint):
         return "verify", str(exc), "run the command again; if it repeats, the object on S3 is damaged"
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = free_bytes(dest)
-            return ("verify", "no space left on the filesystem of %s while writing %s from %s (%s free now)"
-                    % (dest, where, endpoint, human(free)),
-                    "free space there (finished files are kept; the next run fetches only the rest)")
+            free, inodes = free_bytes(dest), free_inodes(dest)
+            left = "%s and %s inodes free now" % (human(free), inodes) if inodes is not None else human(free) + " free now"
+            return ("verify", "no space left on the filesystem of %s while writing %s from %s (%s)"
+                    % (dest, where, endpoint, left),
+                    "free space (or inodes) there; finished files are kept, the next run fetches only the rest")
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return "verify", "%s is not writable (%s) while writing %s" % (dest, exc.strerror, where), \
                 "choose a destination the SSH user may write, or fix its permissions"
@@ -348,6 +349,14 @@ def free_bytes(path):
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def free_inodes(path):
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_favail if st.f_files else None  # some filesystems have no inode limit (f_files == 0)
 
 
 def human(n):
