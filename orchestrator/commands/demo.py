@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import shlex
+import signal
 import tarfile
 import tempfile
 import time
@@ -20,6 +21,10 @@ from .up import up_cmd
 
 PROJECT = Path(__file__).resolve().parents[2]
 DEFAULT_WHEELS = PROJECT / ".cache" / "demo-wheels"
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _say(msg: str) -> None:
@@ -105,12 +110,18 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
         _say(f"{'finished' if code == 0 else 'FAILED'} in {time.monotonic() - t0:.0f}s (exit {code})")
         if keep:
             key = shlex.quote(str(tb.identity))
+            env_file = wd / "s3.env"  # the throwaway endpoint's keys, for a second terminal (0600)
+            fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"AWS_ACCESS_KEY_ID={tb.s3.access_key}\nAWS_SECRET_ACCESS_KEY={tb.s3.secret_key}\n")
             _say("left up (--keep) until you press Ctrl-C here. From another terminal:")
             err_console.print(f"  ssh -i {key} -o UserKnownHostsFile={tb.known_hosts} root@{node.address}\n"
+                              f"  set -a; . {env_file}; set +a    # the S3 keys, for stage-model / sync-data / up\n"
                               f"  dfo -i {tb.inventory_path} status -H {node.name}\n"
                               f"  dfo -i {tb.inventory_path} tail -H {node.name} --no-follow -n 20\n"
                               f"  dfo -i {tb.inventory_path} verify-env -H {node.name} -j {job}",
                               highlight=False, soft_wrap=True)
+            signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill PID` tears down like Ctrl-C
             try:
                 while True:
                     time.sleep(3600)

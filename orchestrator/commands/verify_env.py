@@ -14,7 +14,9 @@ from ..steps.verify_env import VerifyReport, verify_env
 
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def render(host: str, r: VerifyReport) -> None:
