@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import os
 import socket
-import ssl
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -87,7 +86,11 @@ class S3Client:
         self.endpoint = "%s://%s" % (self.scheme, self.netloc)
         self.timeout = timeout
         self._local = threading.local()
-        self._ssl = ssl.create_default_context() if self.scheme == "https" else None
+        self._ssl = None
+        if self.scheme == "https":
+            import ssl  # only for https endpoints: saves its import time on every plain-http run
+
+            self._ssl = ssl.create_default_context()
 
     # ------------------------------------------------------------------ connections
     def _conn(self, netloc):
@@ -159,7 +162,7 @@ class S3Client:
             what = "connection refused"
         elif isinstance(exc, (socket.timeout, TimeoutError)):
             what = "no answer within %gs" % self.timeout
-        elif isinstance(exc, ssl.SSLError):
+        elif type(exc).__name__.startswith("SSL"):
             what = "TLS error: %s" % exc
         else:
             what = "%s: %s" % (type(exc).__name__, exc)

@@ -241,3 +241,12 @@ def test_controller_credentials_and_request(tmp_path: Path, monkeypatch: pytest.
         build_request(job, "model")
     with pytest.raises(ConfigError, match="needs a 'data:' section"):
         build_request(job, "data")
+
+
+def test_node_side_modules_parse_as_python_3_8() -> None:
+    """The node may only have python3.8: the engine's modules must not use newer syntax."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "remote"
+    for name in ("s3client", "s3engine", "s3manifest", "s3sig", "s3stage", "s3sync", "s3verify"):
+        ast.parse((root / f"{name}.py").read_text(), feature_version=(3, 8))
