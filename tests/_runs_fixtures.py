@@ -28,6 +28,17 @@ for i in range(n):
 sys.exit(code)
 """
 
+# N numbered lines, D seconds apart, but it holds at line N/2 until the file GATE exists.
+GATED_COUNTER = """\
+import os, sys, time
+n, d, gate = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+for i in range(n):
+    while i == n // 2 and not os.path.exists(gate):
+        time.sleep(0.05)
+    print("line %06d" % i, flush=True)
+    time.sleep(d)
+"""
+
 # Dies at start with the traceback of Triton's autotuner race (as seen in the real session).
 AUTOTUNER_CRASH = """\
 import sys

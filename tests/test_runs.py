@@ -13,6 +13,7 @@ import pytest
 from tests._runs_fixtures import (
     AUTOTUNER_CRASH,
     COUNTER,
+    GATED_COUNTER,
     TREE,
     RunsEnv,
     dfo_popen,
@@ -34,30 +35,34 @@ def env(testbed, tmp_path: Path) -> RunsEnv:  # type: ignore[no-untyped-def]
 def test_tail_shows_every_line_once_while_the_connection_is_cut(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     tb = make_testbed(s3=False)
     env = RunsEnv(tb, tb.nodes[0], inventory_copy(tb, tmp_path), tmp_path)
-    n = 700
+    n = 800
     job, _ = env.job(f"python3 count.py {n} 0.02", {"count.py": COUNTER})
     run = env.launch(job)["run"]
     tail = dfo_popen(env.inv, "tail", "-H", env.node.name, run, "-n", "+1", env={"DFO_TAIL_STALL_S": "2"})
-    time.sleep(2)
+    assert tail.stdout is not None and tail.stdout.readline() == "line 000000\n"  # it is following
     killed = 0
     for _ in range(3):  # the node side of the SSH session dies (sshd killed): the channel closes
-        killed += tb.kill_ssh_sessions(env.node)
+        deadline = time.monotonic() + 10
+        while not (cut := tb.kill_ssh_sessions(env.node)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # tail is between connections: wait for the next one
+        killed += cut
         time.sleep(1.5)
     tb.link_down(env.node)  # a dead link: nothing arrives, not even an error, until the watchdog acts
     time.sleep(4)
     tb.link_up(env.node)
-    out, err = tail.communicate(timeout=90)
-    assert tail.returncode == 0, err
+    out = tail.stdout.read()  # (not communicate(): it would skip what readline() buffered)
+    err = tail.stderr.read() if tail.stderr else ""
+    assert tail.wait(timeout=30) == 0, err
     assert killed >= 3
-    assert out.splitlines() == expected_lines(n)  # every line exactly once, in order
+    assert ["line 000000", *out.splitlines()] == expected_lines(n)  # every line exactly once, in order
     assert err.count("reconnected to") >= 4, err  # three kills + the stalled link
     assert "nothing heard for 2s" in err
 
 
 @on_testbed
 def test_run_outlives_the_controller_and_tail_picks_it_up(env: RunsEnv) -> None:
-    n = 200
-    job, name = env.job(f"python3 count.py {n} 0.04", {"count.py": COUNTER})
+    n, gate = 200, f"/root/runs-test/gate-{env.tmp.name}"
+    job, name = env.job(f"python3 gated.py {n} 0.01 {gate}", {"gated.py": GATED_COUNTER})  # runs until the gate
     # launch watches for 30 s; kill the controller in the middle of it, hard
     p = dfo_popen(env.inv, "launch", "-H", env.node.name, "-j", str(job), "--wait", "30")
     time.sleep(2.5)
@@ -75,12 +80,13 @@ def test_run_outlives_the_controller_and_tail_picks_it_up(env: RunsEnv) -> None:
     assert env.status(run)["state"] == "running"
     # a tail that gets Ctrl-C detaches (exit 130) and leaves the run alone
     t = dfo_popen(env.inv, "tail", "-H", env.node.name, run)
-    time.sleep(2)
+    assert t.stdout is not None and t.stdout.readline().startswith("line ")  # it is following now
     t.send_signal(signal.SIGINT)
     _, err = t.communicate(timeout=10)
     assert t.returncode == 130 and "detached" in err
     assert env.status(run)["state"] == "running"
     # a later tail, from the start, sees every line and ends with the run
+    env.node_sh(f"touch {gate}")
     r = env.dfo("tail", "-H", env.node.name, run, "-n", "+1", timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == expected_lines(n)
@@ -191,10 +197,15 @@ def test_second_launch_is_refused_unless_forced(env: RunsEnv) -> None:
 @on_testbed
 def test_stop_ends_the_whole_process_group(env: RunsEnv) -> None:
     job, _ = env.job("python3 tree.py", {"tree.py": TREE}, stop_grace=5)
-    h = env.launch(job, "--wait", "3")
+    h = env.launch(job, "--wait", "1")
     assert h["state"] == "running"
-    log = env.node_sh(f"cat /workspace/.dfo/runs/{h['run']}/log")
-    pids = {line.split()[0]: int(line.split()[1]) for line in log.splitlines()}
+    deadline = time.monotonic() + 20
+    while True:  # until all three have printed their pids
+        log = env.node_sh(f"cat /workspace/.dfo/runs/{h['run']}/log")
+        pids = {line.split()[0]: int(line.split()[1]) for line in log.splitlines()}
+        if len(pids) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert set(pids) == {"trainer", "child", "grandchild"} and pids["trainer"] == h["pid"]
     assert all(env.alive(p) for p in pids.values())
     r = env.dfo("stop", "-H", env.node.name, h["run"])
