@@ -249,6 +249,10 @@ class Connection:
                         raise HostError("connection lost while a command ran", host=self.name)
                     break
             code = chan.recv_exit_status()
+            if code == -1 and not transport.is_active():
+                # a channel closed by a dead link reports "exit status ready" with no status
+                self.close()
+                raise HostError("connection lost while a command ran", host=self.name)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.close()
             raise HostError(f"connection lost: {exc}", host=self.name) from None

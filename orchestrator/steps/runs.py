@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -29,9 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from remote._proto import EVENT_PREFIX, RESULT_PREFIX
-
-from ..agent import NEED_UPLOAD, module_command, parse_output, run_module, upload_agent
+from ..agent import run_module
 from ..config import Job, LoadedJob, RunConfig, is_secret_env
 from ..connection import Connection
 from ..diagnosis import Diagnosis, diagnose
@@ -293,30 +290,6 @@ class _Watchdog:
         self._done.set()
 
 
-def _stream(conn: Connection, req: dict[str, Any], timeout: float, on_event: Callable[[dict[str, Any]], None]) -> Any:
-    """run_module for the long-lived follow command, with one difference: a channel that closed
-    without an exit status (exit -1: the connection died under it) raises HostError, so the
-    caller reconnects instead of mistaking it for an answer."""
-    payload = json.dumps(req)
-
-    def on_line(line: str) -> None:
-        if line.startswith(EVENT_PREFIX):
-            try:
-                ev = json.loads(line[len(EVENT_PREFIX):])
-            except ValueError:
-                return
-            on_event(ev)
-
-    cmd = module_command(MODULE, conn.host.python)
-    res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
-    if res.exit_code == NEED_UPLOAD:
-        upload_agent(conn)
-        res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
-    if res.exit_code == -1 and RESULT_PREFIX not in res.stdout:
-        raise HostError("connection lost while following the log", host=conn.name)
-    return parse_output(conn, res, MODULE)
-
-
 def follow(
     conn: Connection,
     workspace: str,
@@ -371,7 +344,8 @@ def follow(
                    "coalesce": float(os.environ.get("DFO_TAIL_COALESCE_MS") or COALESCE_MS) / 1000}
             dog.arm()
             try:
-                data = _stream(conn, req, 1e9 if remaining is None else remaining + 120, on_event)
+                data = run_module(conn, MODULE, req, timeout=1e9 if remaining is None else remaining + 120,
+                                  on_event=on_event)
             except HostError as exc:
                 lost_since = lost_since or time.monotonic()
                 why = f"nothing heard for {stall_s:g}s" if dog.fired else exc.message
