@@ -154,6 +154,11 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
     try:
         data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
+    except HostError as exc:
+        if "lost" not in exc.message:
+            raise
+        raise HostError(f"the {what} transfer on the node stopped without a result ({exc.message})", host=conn.name,
+                        hint="finished files are kept; run the same command again to fetch the rest") from None
     except RemoteCommandError as exc:
         if getattr(exc, "details", None) is not None or "gave no result" not in exc.message:
             raise
