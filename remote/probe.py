@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from remote._proto import main
+from remote.triton_cache import cache_dir, dir_size
 
 
 def _os_release():
@@ -93,26 +94,9 @@ def nvidia():
     return {"present": True, "driver": driver, "cuda": cuda, "gpus": gpus}
 
 
-def triton_cache_dir():
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-
-
-def tree_size(path):
-    total = 0
-    files = 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(root, n)).st_size
-                files += 1
-            except OSError:
-                pass
-    return total, files
-
-
 def triton_cache():
-    path = triton_cache_dir()
-    size, files = tree_size(path) if os.path.isdir(path) else (0, 0)
+    path = cache_dir()
+    size, files = dir_size(path) if os.path.isdir(path) else (0, 0)
     return {"path": path, "exists": os.path.isdir(path), "bytes": size, "files": files}
 
 

@@ -9,6 +9,8 @@ import time
 
 from remote._proto import RESULT_PREFIX, emit_event
 from remote.pep508 import InvalidRequirement, Requirement
+from remote.triton_cache import cache_dir as triton_cache_path  # noqa: F401 - re-exported
+from remote.triton_cache import dir_size  # noqa: F401 - re-exported
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAIL_CHARS = 3000
@@ -156,25 +158,6 @@ def venv_state(before: dict, after: dict) -> str:
     if not changes:
         return "the venv is unchanged"
     return "the venv changed: " + ", ".join(changes)
-
-
-def dir_size(path: str) -> tuple:
-    total, files = 0, 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(root, n)).st_size
-                files += 1
-            except OSError:
-                pass
-    return total, files
-
-
-def triton_cache_path(configured: str | None = None) -> str:
-    """TRITON_CACHE_DIR (the job's run.env, else the node's environment), else ~/.triton/cache."""
-    path = configured or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
-                                                                             "cache")
-    return os.path.abspath(os.path.expanduser(path))
 
 
 def _cfg_version(cfg: str) -> str:

@@ -231,9 +231,12 @@ def test_refuses_a_patched_autotuner_file(tmp_path: Path) -> None:
 
 def test_refuses_subclass_that_would_hide_state(monkeypatch: pytest.MonkeyPatch) -> None:
     Autotuner = _stub_triton(monkeypatch)
-    type("Shadowing", (Autotuner,), {"nargs": None})
+    # keep a reference: an unreferenced class is freed by the cyclic GC at any moment, and
+    # install() finds subclasses through the weak __subclasses__() list
+    shadowing = type("Shadowing", (Autotuner,), {"nargs": None})
     with pytest.raises(guard.GuardRefused, match="Shadowing.nargs"):
         guard.install()
+    assert shadowing in Autotuner.__subclasses__()
 
 
 def test_missing_triton_is_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,13 +24,13 @@ and a node without torch gets a "torch not importable" problem, not a crash.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from remote._proto import emit_event, main
 from remote.known_bad import arch_name, arch_support, match_entries
+from remote.triton_cache import cache_dir, dir_size
 
 FWD_TOL = 0.02  # relative RMS error, bf16 inputs against an fp32 reference
 BWD_TOL = 0.05
@@ -50,17 +50,9 @@ def _dist_version(name: str) -> Optional[str]:
 
 
 def triton_cache_info() -> Dict[str, Any]:
-    """Where Triton keeps compiled kernels (TRITON_CACHE_DIR, else $TRITON_HOME/.triton/cache)."""
-    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
-        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return {"path": path, "bytes": total}
+    """Where Triton keeps compiled kernels, and their size."""
+    path = cache_dir()
+    return {"path": path, "bytes": dir_size(path)[0]}
 
 
 def _problem(kind: str, message: str, package: Optional[str] = None, expected: Optional[str] = None,
