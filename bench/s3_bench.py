@@ -288,6 +288,24 @@ class Results:
             rows.append("| (c) no-op re-sync of (a) | " + " | ".join(cells + ratios) + " |")
         return "\n".join(rows)
 
+    def targets(self) -> str:
+        best = {k: min(v) for k, v in self.times.items()}
+        out = []
+
+        def ratio(case: str, peer: str) -> float | None:
+            if (peer, case) in best and ("dfo", case) in best:
+                return best[(peer, case)] / best[("dfo", case)]
+            return None
+
+        for case, peer, want in (("a", "s5cmd", 1.0), ("b", "s5cmd", 1.0), ("a", "aws", 3.0)):
+            r = ratio(case, peer)
+            if r is not None:
+                out.append(f"({case}) >= {want:g}x {peer}: {r:.2f}x, {'met' if r >= want else 'NOT met'}")
+        if ("dfo", "c") in best:
+            c = best[("dfo", "c")]
+            out.append(f"(c) under 1 s end to end: {c:.2f} s, {'met' if c < 1.0 else 'NOT met'}")
+        return "; ".join(out) + "."
+
     def render(self) -> str:
         a = self.args
         eng = {c: min(v) for c, v in self.engine.items()}
@@ -308,6 +326,8 @@ Median of {a.rounds}:
 
 "dfo vs X" is dfo's throughput over X's for (a) and (b), X's time over dfo's for (c): above 1 means dfo
 is faster.
+
+Targets (best of {a.rounds}): {self.targets()}
 
 - S3: the testbed's SeaweedFS (`weed mini`, disk-backed) on the testbed bridge. The endpoint alone
   (32 parallel GETs from the host, bytes discarded, best of 3): (a) {self.endpoint.get('a', 0):.0f} MB/s,
