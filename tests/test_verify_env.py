@@ -137,3 +137,22 @@ def test_pins_requirements_and_overrides(testbed, node_wheelhouse: str, tmp_path
     assert any("sm_120 autotuner fixes" in (w.get("reason") or w["message"]) for w in h["warnings"])
     human = dfo(inv, "verify-env", "-H", node.name, "-j", str(job))
     assert "warning" in human.stdout and "sm_120 autotuner fixes" in human.stdout
+
+
+def test_proxy_jump_reaches_a_node_through_another(testbed2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """ProxyJump (one hop): node-2 reached through node-1, both host keys checked and recorded."""
+    jump, target = testbed2.nodes[0], testbed2.nodes[1]
+    inv = inventory_copy(testbed2, tmp_path, via={"host": target.address, "port": target.port,
+                                                  "proxy_jump": f"root@{jump.address}:{jump.port}"})
+    r = dfo(inv, "verify-env", "-H", "via", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["hosts"]["via"]["node"]["hostname"] == target.name
+    kh = (tmp_path / "known_hosts").read_text()
+    assert jump.address in kh and target.address in kh  # both keys recorded on first contact
+    # the jump host's key is checked too: a changed key there refuses the whole path, nothing runs
+    testbed2.rotate_host_key(jump)
+    testbed2.node_exec(target, "rm -rf /root/.cache/dfo")
+    r2 = dfo(inv, "verify-env", "-H", "via")
+    assert r2.returncode == 4, r2.stdout + r2.stderr
+    assert "CHANGED" in r2.stderr and jump.address in r2.stderr
+    assert testbed2.node_exec(target, "test -e /root/.cache/dfo && echo yes || echo no").stdout.strip() == "no"
