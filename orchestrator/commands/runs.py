@@ -297,7 +297,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
             continue
         info: steps.RunInfo = o.value
         if no_follow:
-            err_console.print(f"dfo: {o.host}: run {info.id} is {info.state}", highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: {o.host}: run {info.id}: {info.state}", highlight=False, soft_wrap=True)
             continue
         style = STATE_STYLE.get(info.state, "white")
         err_console.print(f"dfo: {o.host}: run {info.id} [{style}]{info.state}[/] ({_how(info)})", highlight=False, soft_wrap=True)
