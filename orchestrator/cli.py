@@ -9,7 +9,7 @@ import sys
 import click
 
 from . import __version__
-from .cli_common import report_error
+from .cli_common import print_json, report_error
 from .errors import EXIT_UNEXPECTED, DfoError
 
 # module -> the click commands it exports as COMMANDS; order is the order of `dfo --help`
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except DfoError as exc:
         report_error(exc)
+        if "--json" in (argv if argv is not None else sys.argv[1:]):
+            print_json({"ok": False, "error": exc.to_json()})  # --json: stdout always holds a document
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

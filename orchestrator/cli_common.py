@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import DfoError
 from .hosts import HostSession, Outcome
@@ -55,7 +56,7 @@ def print_json(doc: Any) -> None:
 
 
 def report_error(err: DfoError) -> None:
-    err_console.print(f"[bold red]error[/]: {err.render()}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error[/]: {escape(err.render())}", markup=True, soft_wrap=True)
     if os.environ.get("DFO_DEBUG") and err.__cause__ is not None:
         import traceback
 

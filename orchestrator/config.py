@@ -104,34 +104,40 @@ def _ssh_config_lookup(alias: str) -> dict[str, object]:
 
 
 def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
+    """The host's connection settings. Precedence: the host's own entry, then ~/.ssh/config for
+    its alias (HostName, Port, User, IdentityFile, ProxyJump), then the inventory's defaults."""
     entry = inv.hosts.get(name)
     if entry is None:
         raise UsageError(f"unknown host {name!r}", hint=f"hosts in {inv_path}: {', '.join(inv.hosts) or 'none'}")
     d = inv.defaults
     alias = entry.host or name
     sshc = _ssh_config_lookup(alias) if entry.transport == "ssh" else {}
-    identities: list[str] = []
-    for ident in [entry.identity, d.identity]:
-        if ident:
-            identities.append(os.path.expanduser(ident))
-            break
-    for ident in sshc.get("identityfile", []) or []:  # type: ignore[union-attr]
-        identities.append(os.path.expanduser(str(ident)))
     base = inv_path.parent
-    kh = os.path.expanduser(d.known_hosts)
-    if not os.path.isabs(kh):
-        kh = str((base / kh).resolve())
-    identities = [i if os.path.isabs(i) else str((base / i).resolve()) for i in identities]
-    port = entry.port or d.port or int(sshc.get("port", 22))  # type: ignore[arg-type]
+
+    def absolute(path: str) -> str:
+        p = os.path.expanduser(path)
+        return p if os.path.isabs(p) else str((base / p).resolve())
+
+    identities: list[str] = []
+    if entry.identity:
+        identities.append(absolute(entry.identity))
+        if entry.transport == "ssh" and not os.path.exists(identities[0]):
+            raise ConfigError(f"{inv_path}: hosts.{name}.identity: {identities[0]} does not exist",
+                              hint="point it at the private key for this host")
+    identities += [absolute(str(i)) for i in sshc.get("identityfile", []) or []]  # type: ignore[union-attr]
+    if d.identity and os.path.exists(absolute(d.identity)):
+        identities.append(absolute(d.identity))  # a missing default key falls back to ssh's own keys/agent
+    kh = absolute(d.known_hosts)
+    port = entry.port or (int(sshc["port"]) if "port" in sshc else None) or d.port or 22  # type: ignore[arg-type]
     return ResolvedHost(
         name=name,
         transport=entry.transport,
         hostname=str(sshc.get("hostname", alias)),
         port=port,
-        user=entry.user or d.user or (str(sshc["user"]) if "user" in sshc else None),
-        identities=identities,
+        user=entry.user or (str(sshc["user"]) if "user" in sshc else None) or d.user,
+        identities=list(dict.fromkeys(identities)),
         known_hosts=kh,
-        proxy_jump=entry.proxy_jump or d.proxy_jump or (str(sshc["proxyjump"]) if "proxyjump" in sshc else None),
+        proxy_jump=entry.proxy_jump or (str(sshc["proxyjump"]) if "proxyjump" in sshc else None) or d.proxy_jump,
         python=entry.python or d.python,
         workspace=entry.workspace or d.workspace,
         connect_timeout=d.connect_timeout,
@@ -215,6 +221,15 @@ class RunConfig(Strict):
     upload: list[str] = []
     command: str
     env: dict[str, str] = {}
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_scalars(cls, v: object) -> object:
+        """`OMP_NUM_THREADS: 8` means the string "8" (YAML reads it as a number)."""
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, int | float) else x
+                    for k, x in v.items()}
+        return v
     secret_env: list[str] = []
     wait: float = Field(default=60.0, ge=0)
     autotune_guard: bool = False
@@ -266,7 +281,8 @@ def load_job(path: str | os.PathLike[str]) -> LoadedJob:
     return LoadedJob(job=job, path=p.resolve())
 
 
-SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY)", re.I)
+# a false positive only keeps a value off the node's disk; a false negative writes a secret there
+SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASS|CREDENTIAL|PRIVATE|KEY|AUTH|(^|_)PAT($|_)|COOKIE|SESSION)", re.I)
 
 
 def is_secret_env(name: str, job: Job | None = None) -> bool:

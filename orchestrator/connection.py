@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import select
 import shlex
@@ -33,10 +34,17 @@ from pathlib import Path
 import paramiko
 
 from .config import ResolvedHost
-from .errors import HostError, HostKeyError
+from .errors import ConfigError, HostError, HostKeyError
 
 KEEPALIVE_S = 15
 _KH_LOCK = threading.Lock()
+
+# paramiko logs its own tracebacks (banner errors, refused channels) to stderr; dfo reports those
+# failures itself, in one or two lines. DFO_DEBUG=1 shows paramiko's log again.
+if not os.environ.get("DFO_DEBUG"):
+    _plog = logging.getLogger("paramiko")
+    _plog.addHandler(logging.NullHandler())
+    _plog.propagate = False
 
 
 @dataclass
@@ -61,19 +69,27 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Record a never-seen host key in dfo's known_hosts (accept-new). Changed keys never get here:
-    paramiko raises BadHostKeyException for a hostname whose recorded key of that type differs."""
+    """Record a never-seen host key in dfo's known_hosts (accept-new). A key that differs from one
+    recorded for that name never gets here (paramiko raises BadHostKeyException); one recorded by
+    another connection or process since this client loaded the file is refused here, under a lock
+    (a thread lock, and flock on a lock file beside known_hosts for other dfo processes)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        with _KH_LOCK:
-            p = Path(self.path)
-            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        import fcntl
+
+        p = Path(self.path)
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with _KH_LOCK, open(p.with_name(p.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             keys = paramiko.HostKeys()
             if p.exists():
                 keys.load(str(p))
+            recorded = keys.lookup(hostname)
+            if recorded is not None and key.get_name() in recorded and recorded[key.get_name()] != key:
+                raise paramiko.BadHostKeyException(hostname, key, recorded[key.get_name()])
             keys.add(hostname, key.get_name(), key)
             tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             keys.save(str(tmp))
@@ -106,7 +122,11 @@ class Connection:
     def _new_client(self) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
         if os.path.exists(self.host.known_hosts):
-            client.load_host_keys(self.host.known_hosts)
+            try:
+                client.load_host_keys(self.host.known_hosts)
+            except (paramiko.SSHException, OSError, ValueError) as exc:
+                raise ConfigError(f"{self.host.known_hosts}: cannot read dfo's known_hosts: {exc}",
+                                  hint="fix or remove the bad line (ssh-keygen -R HOST -f FILE rewrites it)") from None
         client.set_missing_host_key_policy(_AcceptNew(self.host.known_hosts))
         return client
 
@@ -168,8 +188,14 @@ class Connection:
         self._jump = self._open(jhostname, port, user or str(sshc.get("user", "")) or self.host.user, None)
         transport = self._jump.get_transport()
         assert transport is not None
-        return transport.open_channel("direct-tcpip", (self.host.hostname, self.host.port), ("127.0.0.1", 0),
-                                      timeout=self.host.connect_timeout)
+        try:
+            return transport.open_channel("direct-tcpip", (self.host.hostname, self.host.port), ("127.0.0.1", 0),
+                                          timeout=self.host.connect_timeout)
+        except (paramiko.SSHException, OSError) as exc:
+            self._close_locked()
+            raise HostError(f"jump host {jhostname}:{port} could not reach {self.host.hostname}:{self.host.port}: {exc}",
+                            host=self.host.name,
+                            hint="is the target up, and does the jump host allow TCP forwarding (AllowTcpForwarding)?") from None
 
     def connect(self) -> paramiko.SSHClient:
         with self._lock:
@@ -179,7 +205,11 @@ class Connection:
                     return self._client
                 self._close_locked()
             sock = self._jump_sock()
-            self._client = self._open(self.host.hostname, self.host.port, self.host.user, sock)
+            try:
+                self._client = self._open(self.host.hostname, self.host.port, self.host.user, sock)
+            except BaseException:
+                self._close_locked()
+                raise
             return self._client
 
     def _close_locked(self) -> None:

@@ -80,6 +80,9 @@ class Installer:
             env[prefix + "INDEX_URL"] = self.index["url"]
         if self.index.get("extra_urls"):
             env[prefix + "EXTRA_INDEX_URL"] = " ".join(self.index["extra_urls"])
+        secret_links = [x for x in self.index.get("find_links") or [] if redact(x) != x]
+        if secret_links:  # URLs with credentials stay out of argv (uv: comma-separated, pip: spaces)
+            env[prefix + "FIND_LINKS"] = ("," if self.kind == "uv" else " ").join(secret_links)
         if self.kind == "pip":
             env.update(PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
         return env
@@ -92,7 +95,8 @@ class Installer:
         if self.index.get("no_index"):
             argv.append("--no-index")
         for link in self.index.get("find_links") or []:
-            argv += ["--find-links", link]
+            if redact(link) == link:  # plain paths and URLs; credentialed ones go through env()
+                argv += ["--find-links", link]
         if self.kind == "uv" and overrides and self.override_file:
             argv += ["--override", self.override_file]
         return argv + list(reqs)
@@ -194,4 +198,5 @@ def _redacted_index(index: dict) -> dict:
     if out.get("url"):
         out["url"] = redact(out["url"])
     out["extra_urls"] = [redact(u) for u in out.get("extra_urls") or []]
+    out["find_links"] = [redact(u) for u in out.get("find_links") or []]
     return out

@@ -158,7 +158,9 @@ def trainer_env(req, run_id, run_dir):
     shown = {"PYTHONUNBUFFERED": "1", "DFO_RUN_ID": run_id, "DFO_RUN_DIR": run_dir, "DFO_AGENT_DIR": AGENT_DIR}
     shown.update(req.get("env") or {})
     if req.get("autotune_guard"):
-        parts = [os.path.join(AGENT_DIR, "remote", "gpu", "sitecustomize_guard"), AGENT_DIR]
+        # only the guard's folder: the sitecustomize loads the guard by file path, so nothing named
+        # `remote` lands on the trainer's path (DFO_AGENT_DIR says where dfo's helpers are)
+        parts = [os.path.join(AGENT_DIR, "remote", "gpu", "sitecustomize_guard")]
         if shown.get("PYTHONPATH"):
             parts.append(shown["PYTHONPATH"])
         shown["PYTHONPATH"] = os.pathsep.join(parts)

@@ -33,7 +33,8 @@ def now_iso(ts=None):
 def write_json(path, obj):
     """Write JSON by temp name + rename: a reader sees the old file or the new one, never half."""
     tmp = "%s.%d.tmp" % (path, os.getpid())
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # records are the owner's only
+    with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
         f.write("\n")
         f.flush()

@@ -86,8 +86,27 @@ Host h200-a
     assert (h.hostname, h.port, h.user, h.proxy_jump) == ("192.0.2.7", 10638, "ubuntu", "jump@bastion:2200")
     assert h.identities[0].endswith("/.ssh/h200")
     assert h.known_hosts == str(tmp_path / "kh")
-    b = resolve_host(inv, "b", path)  # inventory values win over ~/.ssh/config
+    b = resolve_host(inv, "b", path)  # the host's own entry wins over ~/.ssh/config
     assert (b.hostname, b.port, b.user) == ("192.0.2.7", 22, "root")
+
+
+def test_ssh_config_wins_over_inventory_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = write(tmp_path, "ssh_config", "Host h200-a\n  HostName 192.0.2.7\n  Port 10638\n  User ubuntu\n")
+    monkeypatch.setenv("DFO_SSH_CONFIG", str(cfg))
+    p = write(tmp_path, "inventory.yaml", "defaults: {user: root, port: 2222, identity: nokey}\nhosts:\n  h200-a: {}\n"
+                                          "  other: {host: 192.0.2.9}\n")
+    inv, path = load_inventory(p)
+    h = resolve_host(inv, "h200-a", path)
+    assert (h.port, h.user, h.identities) == (10638, "ubuntu", [])  # a missing default key is dropped
+    o = resolve_host(inv, "other", path)
+    assert (o.hostname, o.port, o.user) == ("192.0.2.9", 2222, "root")
+
+
+def test_missing_host_identity_is_a_config_error(tmp_path: Path) -> None:
+    p = write(tmp_path, "inventory.yaml", "hosts:\n  a: {host: 192.0.2.1, identity: missing_key}\n")
+    inv, path = load_inventory(p)
+    with pytest.raises(ConfigError, match="hosts.a.identity: .*missing_key does not exist"):
+        resolve_host(inv, "a", path)
 
 
 JOB = """\

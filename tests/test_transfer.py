@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import signal
@@ -212,7 +213,8 @@ def test_missing_bucket_wrong_secret_wrong_endpoint_empty_prefix(xfer: Xfer, mix
     assert code == 3 and "no objects under" in err
     job = xfer.job(data={"source": "gs://bucket/x", "dest": dest})
     r = xfer.dfo("sync-data", "-H", node, "-j", str(job), "--json")
-    assert r.returncode == 2 and "data.source" in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and "data.source" in r.stderr
+    assert json.loads(r.stdout)["error"]["kind"] == "config"  # --json: stdout holds only the error document
     job = xfer.job(data={"source": mixed.source, "dest": "relative/dir"})
     r = xfer.dfo("sync-data", "-H", node, "-j", str(job))
     assert r.returncode == 2 and "data.dest" in r.stderr

@@ -228,7 +228,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
                 console.print(escape(ln), highlight=False, soft_wrap=True)
         guard = _guard_line(f)
         if guard:
-            console.print("  " + guard)
+            console.print("  " + escape(guard))
 
     try:
         with sess:
@@ -342,12 +342,12 @@ def _render_status(host: str, runs: list[steps.RunInfo], detail: bool) -> None:
         for k, v in [("job", r.job), ("state", f"[{style}]{r.state}[/]" + (f" ({_how(r)})" if r.state == "lost" else "")),
                      ("pid", str(r.pid)),
                      ("started", _when(r.started)), ("ended", _when(r.ended)), ("duration", _duration(r)),
-                     ("exit", _exit(r)), ("command", escape(r.command or "")), ("workdir", r.workdir),
-                     ("run dir", r.run_dir)]:
+                     ("exit", _exit(r)), ("command", escape(r.command or "")), ("workdir", escape(r.workdir or "")),
+                     ("run dir", escape(r.run_dir or ""))]:
             t.add_row(k, v or "-")
         guard = _guard_line(r)
         if guard:
-            t.add_row("autotune", guard.split(": ", 1)[1])
+            t.add_row("autotune", escape(guard.split(": ", 1)[1]))
         console.print(t)
         lines = r.tail or ([r.last_line] if r.last_line else [])
         if lines:
@@ -430,11 +430,11 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
 
     def render(host: str, r: steps.RunInfo) -> None:
         if r.stop and r.stop.startswith("nothing to stop"):
-            console.print(f"[bold]{host}[/]: run {r.id}: {r.stop}")
+            console.print(f"[bold]{host}[/]: run {r.id}: {escape(r.stop or '')}")
             return
         left = f"; {len(r.group_left)} processes of its group remain!" if r.group_left else ""
         console.print(f"[bold]{host}[/]: run {r.id} [{STATE_STYLE.get(r.state, 'white')}]{r.state}[/] "
-                      f"({r.stop}; {r.stop_seconds or 0:.1f}s){left}")
+                      f"({escape(r.stop or '')}; {r.stop_seconds or 0:.1f}s){left}")
 
     with sess:
         outcomes = sess.each(one)

@@ -25,24 +25,28 @@ def render(host: str, r: VerifyReport) -> None:
               box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("os", f"{f.os}, kernel {f.kernel}, {f.arch}")
-    t.add_row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
-    t.add_row("python3", f"{f.python} ({f.python_executable})")
+
+    def row(key: str, value: str) -> None:
+        t.add_row(key, escape(value))  # what the node says is text, never markup
+
+    row("os", f"{f.os}, kernel {f.kernel}, {f.arch}")
+    row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
+    row("python3", f"{f.python} ({f.python_executable})")
     for name, d in f.disk.items():
-        t.add_row(f"free {name}", f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
+        row(f"free {name}", f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
     if f.nvidia.present:
-        t.add_row("nvidia", f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
+        row("nvidia", f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
         for g in f.nvidia.gpus:
-            t.add_row(f"  gpu {g.index}", f"{g.name}, {_gib(g.memory)}, sm_{(g.capability or '?').replace('.', '')}")
+            row(f"  gpu {g.index}", f"{g.name}, {_gib(g.memory)}, sm_{(g.capability or '?').replace('.', '')}")
     else:
-        t.add_row("nvidia", "no nvidia-smi")
+        row("nvidia", "no nvidia-smi")
     tc = f.triton_cache
-    t.add_row("triton cache", f"{tc.path}: " + (f"{tc.bytes / 2**20:.1f} MiB in {tc.files} files" if tc.exists else "absent"))
+    row("triton cache", f"{tc.path}: " + (f"{tc.bytes / 2**20:.1f} MiB in {tc.files} files" if tc.exists else "absent"))
     if f.venv_python:
-        t.add_row("job python", f.venv_python + ("" if f.venv_python_exists else " (missing)"))
+        row("job python", f.venv_python + ("" if f.venv_python_exists else " (missing)"))
     if r.provision:
         p = r.provision
-        t.add_row("provisioned", f"{p.get('finished') or p.get('time') or '?'} ({len(p.get('steps', []))} steps, "
+        row("provisioned", f"{p.get('finished') or p.get('time') or '?'} ({len(p.get('steps', []))} steps, "
                                  f"{len(p.get('warnings', []))} warnings)")
     console.print(t)
     if r.packages:

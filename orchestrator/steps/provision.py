@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from remote.pep440 import InvalidSpecifier
 from remote.pep508 import InvalidRequirement, Requirement
+from remote.provision_lib import redact
 
 from ..agent import run_module
 from ..config import Job, LoadedJob
@@ -75,7 +76,7 @@ def validate_job(loaded: LoadedJob) -> None:
                               hint="an override replaces a pin with a version: write e.g. triton==3.7.0")
     for u in job.index.extra_urls + job.index.find_links + [job.index.url or ""]:
         if any(c.isspace() for c in u):
-            raise ConfigError(f"{loaded.path}: index: {u!r} contains whitespace",
+            raise ConfigError(f"{loaded.path}: index: {redact(u)!r} contains whitespace",
                               hint="index URLs and find_links paths cannot contain spaces")
 
 

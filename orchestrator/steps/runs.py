@@ -32,7 +32,7 @@ from ..agent import run_module
 from ..config import Job, LoadedJob, RunConfig, is_secret_env
 from ..connection import Connection
 from ..diagnosis import Diagnosis, diagnose
-from ..errors import ConfigError, DfoError, HostError
+from ..errors import ConfigError, DfoError, HostError, HostKeyError
 
 MODULE = "remote.runs"
 HEARTBEAT_S = 2.0
@@ -346,6 +346,8 @@ def follow(
             try:
                 data = run_module(conn, MODULE, req, timeout=1e9 if remaining is None else remaining + 120,
                                   on_event=on_event)
+            except HostKeyError:
+                raise  # a changed key is no dropped link: never retried
             except HostError as exc:
                 lost_since = lost_since or time.monotonic()
                 why = f"nothing heard for {stall_s:g}s" if dog.fired else exc.message
@@ -375,6 +377,8 @@ def _reconnect(conn: Connection, attempt: int, lost_since: float, budget: float,
         attempt += 1
         try:
             conn.reconnect()
+        except HostKeyError:
+            raise
         except DfoError as exc:
             if time.monotonic() - lost_since > budget:
                 raise HostError(f"lost the connection and could not reconnect for {budget:g}s: {exc.message}",

@@ -91,7 +91,7 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
         "paths": {"workspace": ws, "shm": "/dev/shm"},
         "venv_python": job.venv_python if job else None,
         "records": [record] if record else [],
-    }, timeout=60)
+    })  # the host's command_timeout
     facts = NodeFacts.model_validate(raw)
     report = VerifyReport(host=conn.name, facts=facts)
     if record:
@@ -111,7 +111,7 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
                 "pins": job.packages,
                 "overrides": [o.model_dump() for o in job.overrides],
                 "names": [dist_name(p) for p in job.packages],
-            }, python=job.venv_python, timeout=120))
+            }, python=job.venv_python))
             all_packages = dict(pk.packages)
             report.packages = {dist_name(p): pk.packages.get(dist_name(p)) for p in job.packages}
             report.problems.extend(pk.problems)
