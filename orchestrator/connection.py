@@ -165,6 +165,10 @@ class Connection:
                 host=h.name,
                 hint="is the node up and the port right? (defaults.connect_timeout sets the limit)",
             ) from None
+        except paramiko.ssh_exception.NoValidConnectionsError:
+            client.close()
+            raise HostError(f"{label} refused the connection", host=h.name,
+                            hint="is sshd running there, and is the port right (inventory port / ~/.ssh/config Port)?") from None
         except (OSError, paramiko.SSHException) as exc:
             client.close()
             raise HostError(f"cannot connect to {label}: {exc}", host=h.name) from None

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from ..agent import run_module
 from ..config import Job
 from ..connection import Connection
-from ..errors import EXIT_OK, EXIT_VERIFY, DfoError
+from ..errors import EXIT_OK, EXIT_VERIFY, DfoError, HostError
 from ..facts.node import NodeFacts, PkgReport, Problem
 
 
@@ -120,6 +120,8 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
         py = job.venv_python if job is not None and facts.venv_python_exists else conn.host.python
         try:
             report.gpu = run_module(conn, "remote.gpu.preflight", {}, python=py, timeout=gpu_timeout)
+        except HostError:
+            raise  # the host went away: exit 4, not a GPU problem
         except DfoError as exc:
             report.problems.append(Problem(kind="gpu", message=f"GPU preflight failed: {exc.message}"))
         if report.gpu:
