@@ -4,20 +4,7 @@
 # autotuner race, diagnosed), with the guard, and with guard + sequential warmup.
 # Run from the repo root on the device: bash bench/gpu/demo_gpu.sh  (writes into ${OUT:-/tmp/out})
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-dfo/*.whl
-python3 -m pip install -q --no-index --no-deps .whl/*.whl          # FLA into the trainer's environment
-export PYTHONPATH=/tmp/site:$PWD COLUMNS=160
-mkdir -p /root/demo-src
-python3 -c "from pathlib import Path; from orchestrator.demo_data import write_model, write_data; \
-print(write_model(Path('/root/demo-src/model'), d=256, heads=4), write_data(Path('/root/demo-src/data')))"
-printf 'defaults: {known_hosts: /tmp/kh}\nhosts:\n  h200: {transport: local}\n' > /tmp/inv.yaml
-D() { echo "\$ dfo $*"; python3 -m orchestrator.cli -i /tmp/inv.yaml "$@"; echo "# exit status $?"; }
-# each variant has its own job name and checkpoint folder (the trainer resumes from its folder)
-sed -e 's/autotune_guard: true/autotune_guard: false/' -e 's/ --warmup//' -e 's/^name: demo-gpu/name: demo-gpu-noguard/' \
-  -e 's|demo-gpu/checkpoints|demo-gpu/checkpoints-noguard|' jobs/demo-gpu.yaml > jobs/_noguard.yaml
-sed -e 's/ --warmup//' -e 's/^name: demo-gpu/name: demo-gpu-guard/' -e 's|demo-gpu/checkpoints|demo-gpu/checkpoints-guard|' \
-  jobs/demo-gpu.yaml > jobs/_guard.yaml
+HOST=h200; . bench/gpu/device_env.sh
 {
   nvidia-smi -L
   D verify-env -H h200 -j jobs/demo-gpu.yaml --gpu
