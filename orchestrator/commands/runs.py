@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -281,14 +283,33 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
         return steps.follow(conn, ws, run=run, job=job, lines=start, on_line=out.line(conn.name),
                             on_note=out.note(conn.name))
 
+    def detached() -> None:
+        for host in sess.names:
+            err_console.print(f"dfo: detached from {host}; the run keeps running "
+                              f"(resume: {_dfo(ctx, 'tail', '-H', host, *([run] if run else []))})", highlight=False, soft_wrap=True)
+
+    def on_sigint(signum: int, frame: object) -> None:
+        # Ctrl-C while following: leave at once. Nothing on the node needs cleaning up, and closing
+        # SSH connections politely can stall on a loaded machine or a dead link.
+        try:
+            sys.stdout.flush()
+            detached()
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+    previous = None
+    if not no_follow and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         with sess:
             outcomes = _parallel(sess, one)
     except KeyboardInterrupt:
-        for host in sess.names:
-            err_console.print(f"dfo: detached from {host}; the run keeps running "
-                              f"(resume: {_dfo(ctx, 'tail', '-H', host, *([run] if run else []))})", highlight=False, soft_wrap=True)
+        detached()
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     code = 0
     for o in outcomes:
         if o.error is not None:

@@ -46,6 +46,11 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     is safe to re-run: a job whose run is still alive is not launched twice; dfo follows it
     instead. Sections the job does not have (model:, data:) are skipped. Ctrl-C while following
     detaches and leaves the run alone.
+
+    \b
+    Exit codes: those of the step that stopped the chain (2 bad job file, 3 verification,
+    4 host unreachable, 5 the run died at launch), else tail's: 0 the run succeeded, 5 it failed,
+    130 detached with Ctrl-C.
     """
     loaded = load_job(job_path)
     job = loaded.job
