@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -77,8 +76,22 @@ class HostSession:
 
         if len(self.names) == 1:
             return [one(self.names[0])]
-        with ThreadPoolExecutor(max_workers=min(16, len(self.names))) as pool:
-            return list(pool.map(one, self.names))
+        # daemon threads, joined in short waits: Ctrl-C reaches the main thread at once and the
+        # command can leave without waiting for calls still in flight on other hosts
+        results: dict[str, Outcome[T]] = {}
+        gate = threading.Semaphore(16)
+
+        def run(name: str) -> None:
+            with gate:
+                results[name] = one(name)
+
+        threads = [threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}") for n in self.names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+        return [results[n] for n in self.names]
 
     def close(self) -> None:
         for c in self._conns.values():

@@ -31,8 +31,7 @@ from ..cli_common import (
 from ..config import LoadedJob, RunConfig, load_job
 from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, DfoError, UsageError
-from ..hosts import HostSession, Outcome
+from ..errors import EXIT_RUN, UsageError
 from ..steps import runs as steps
 
 _OUT = threading.Lock()
@@ -70,34 +69,6 @@ def _dfo(ctx: click.Context, *args: str) -> str:
 
 def _workspace(conn: Connection, loaded: LoadedJob | None) -> str:
     return steps.job_workspace(loaded.job if loaded else None, conn.host.workspace)
-
-
-def _parallel(sess: HostSession, fn: Callable[[Connection], Any]) -> list[Outcome[Any]]:
-    """HostSession.each, but on daemon threads when there are several hosts, so that Ctrl-C
-    leaves at once (a follow does not end by itself while its run lives)."""
-    if len(sess.names) == 1:
-        return sess.each(fn)
-    results: dict[str, Outcome[Any]] = {}
-
-    def one(name: str) -> None:
-        try:
-            results[name] = Outcome(name, value=fn(sess.conn(name)))
-        except DfoError as exc:
-            exc.host = exc.host or name
-            results[name] = Outcome(name, error=exc)
-        except Exception as exc:  # noqa: BLE001 - reported per host, never a traceback
-            err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name,
-                           hint="set DFO_DEBUG=1 for a traceback; please report it")
-            err.__cause__ = exc
-            results[name] = Outcome(name, error=err)
-
-    threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in sess.names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.2)
-    return [results[n] for n in sess.names]
 
 
 def _recap(info: steps.RunInfo, seen: list[str]) -> list[str]:
@@ -234,7 +205,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
 
     try:
         with sess:
-            outcomes = _parallel(sess, one)
+            outcomes = sess.each(one)
     except KeyboardInterrupt:
         for host, info in started.items():
             err_console.print(f"dfo: detached; run {info.id} keeps running on {host}: "
@@ -303,7 +274,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
         previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         with sess:
-            outcomes = _parallel(sess, one)
+            outcomes = sess.each(one)
     except KeyboardInterrupt:
         detached()
         return 130
