@@ -39,6 +39,16 @@ STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stoppe
 RECAP_LINES = 10
 
 
+def _given_run(run: str | None, command: str) -> str | None:
+    """RUN as given. An explicitly empty one (a script's unset $RUN) is refused (exit 2), never taken
+    to mean "the newest run": `dfo stop -H node ""` must not stop whichever run happens to be newest."""
+    if run is not None and not run.strip():
+        leave_out = "" if command == "stop" else ", or leave RUN out for the newest run"
+        raise UsageError(f"dfo {command}: RUN is empty (an unset variable?): give a run id or its unique prefix"
+                         f"{leave_out}")
+    return run
+
+
 class _Lines:
     """Log lines to stdout (raw, never markup), prefixed with the host when there are several."""
 
@@ -238,6 +248,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     Log lines go to stdout exactly as the trainer wrote them; dfo's own notes go to stderr.
     With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run.
     """
+    run = _given_run(run, "tail")
     if not (lines.isdigit() or (lines.startswith("+") and lines[1:].isdigit())):
         raise UsageError(f"--lines {lines!r}: expected N or +N")
     start: int | str = lines if lines.startswith("+") else int(lines)
@@ -383,6 +394,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     reused pid never passes for the run). A failed or lost run gets a diagnosis. With RUN: that
     run in detail, with its last lines. With -j: only that job's runs, in its workspace.
     """
+    run = _given_run(run, "status")
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
@@ -414,6 +426,7 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
     The run is recorded as stopped (dfo status shows it so). A run that has already ended is
     left as it is (exit 0, says so). RUN is an id or its unique prefix.
     """
+    run = _given_run(run, "stop") or ""
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
