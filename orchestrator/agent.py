@@ -31,10 +31,11 @@ PY_MISSING = 127
 
 @lru_cache(maxsize=1)
 def bundle() -> tuple[str, bytes]:
-    """(hash, tar.gz bytes) of remote/*.py and data files, deterministic."""
+    """(hash, tar.gz bytes) of remote/*.py, data files and vendored licences, deterministic."""
     files = sorted(
         p for p in REMOTE_ROOT.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix in {".py", ".json", ".txt"}
+        if p.is_file() and "__pycache__" not in p.parts
+        and (p.suffix in {".py", ".json", ".txt"} or p.name.startswith("LICENSE"))
     )
     h = hashlib.sha256()
     for p in files:

@@ -1,4 +1,4 @@
-"""Known-bad combinations of GPU arch and package versions (python3 3.8+, stdlib only).
+"""Known-bad combinations of GPU arch and package versions (python3 3.8+, stdlib + vendored packaging).
 
 The data lives in ``known_bad.json`` beside this file. ``match_known_bad`` is what
 ``dfo verify-env`` calls, with or without ``--gpu``::
@@ -6,10 +6,10 @@ The data lives in ``known_bad.json`` beside this file. ``match_known_bad`` is wh
     match_known_bad({"torch": "2.11.0+cu130", "triton": "3.6.0", "fla-core": "0.6.0"},
                     ["9.0"], ["sm_80", "sm_90", "sm_100", "sm_120"])
 
-Versions are compared with a small PEP 440-like matcher (no ``packaging``): release
-tuples, then dev < pre (a/b/rc) < final < post, local labels (``+cu130``) ignored.
-Unlike PEP 440 specifiers, pre-releases are always included in ranges: a known-bad
-range should rather warn once too often than miss a nightly build.
+Versions are compared with ``packaging`` (vendored in remote/_vendor), local labels
+(``+cu130``) ignored, with one deliberate difference from PEP 440 specifiers: pre-releases
+are always included in ranges, and ``<V``/``>V`` are plain version order (so ``<3.7.1``
+includes 3.7.1rc1): a known-bad range should rather warn once too often than miss a nightly build.
 """
 from __future__ import annotations
 
@@ -18,118 +18,39 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
+from remote._vendor.packaging.specifiers import Specifier, SpecifierSet
+from remote._vendor.packaging.utils import canonicalize_name
+from remote._vendor.packaging.version import Version
+
+__all__ = ["Version", "arch_name", "arch_support", "compare_versions", "load_entries", "match_entries",
+           "match_known_bad", "version_matches"]
+
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "known_bad.json")
 
-_VERSION_RE = re.compile(
-    r"""^\s*v?
-    (?:(?P<epoch>\d+)!)?
-    (?P<release>\d+(?:\.\d+)*)
-    (?:[-_.]?(?P<pre_l>a|b|c|rc|alpha|beta|pre|preview)[-_.]?(?P<pre_n>\d*))?
-    (?:-(?P<post_n1>\d+)|[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n2>\d*))?
-    (?:[-_.]?(?P<dev_l>dev)[-_.]?(?P<dev_n>\d*))?
-    (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?
-    \s*$""",
-    re.VERBOSE | re.IGNORECASE,
-)
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
 
-
-class Version:
-    """A parsed version; ordering follows PEP 440 closely enough for known-bad ranges."""
-
-    __slots__ = ("text", "epoch", "release", "pre", "post", "dev", "local")
-
-    def __init__(self, text: str) -> None:
-        m = _VERSION_RE.match(text)
-        if m is None:
-            raise ValueError("not a version: %r" % (text,))
-        self.text = text.strip()
-        self.epoch = int(m.group("epoch") or 0)
-        self.release: Tuple[int, ...] = tuple(int(p) for p in m.group("release").split("."))
-        pre_l = m.group("pre_l")
-        self.pre: Optional[Tuple[int, int]] = (
-            (_PRE_RANK[pre_l.lower()], int(m.group("pre_n") or 0)) if pre_l else None
-        )
-        if m.group("post_n1"):
-            self.post: Optional[int] = int(m.group("post_n1"))
-        elif m.group("post_l"):
-            self.post = int(m.group("post_n2") or 0)
-        else:
-            self.post = None
-        self.dev: Optional[int] = int(m.group("dev_n") or 0) if m.group("dev_l") else None
-        self.local: Optional[str] = m.group("local").lower() if m.group("local") else None
-
-    def key(self) -> Tuple[Any, ...]:
-        release = list(self.release)
-        while len(release) > 1 and release[-1] == 0:
-            release.pop()
-        if self.pre is None and self.post is None and self.dev is not None:
-            pre: Tuple[int, ...] = (-1,)  # 1.0.dev1 sorts before 1.0a1
-        elif self.pre is None:
-            pre = (3,)  # a final (or post) release sorts after its pre-releases
-        else:
-            pre = (self.pre[0], self.pre[1])
-        post = (-1,) if self.post is None else (self.post,)
-        dev = (1 << 62,) if self.dev is None else (self.dev,)
-        return (self.epoch, tuple(release), pre, post, dev)
-
-    def __repr__(self) -> str:
-        return "Version(%r)" % (self.text,)
-
-
-def parse_version(text: str) -> Version:
-    return Version(text)
+def _public(text: str) -> Version:
+    return Version(Version(text).public)
 
 
 def compare_versions(a: str, b: str) -> int:
     """-1, 0 or 1 as version ``a`` sorts before, with or after ``b`` (local labels ignored)."""
-    ka, kb = Version(a).key(), Version(b).key()
-    return (ka > kb) - (ka < kb)
+    va, vb = _public(a), _public(b)
+    return (va > vb) - (va < vb)
 
 
-def _match_one(version: Version, clause: str) -> bool:
-    clause = clause.strip()
-    m = re.match(r"^(===|~=|==|!=|<=|>=|<|>)\s*(.+)$", clause)
-    if m is None:
-        raise ValueError("not a version specifier: %r" % (clause,))
-    op, target = m.group(1), m.group(2).strip()
-    if op == "===":
-        return version.text == target
-    if op in ("==", "!=") and target.endswith(".*"):
-        prefix = tuple(int(p) for p in target[:-2].split("."))
-        release = version.release + (0,) * max(0, len(prefix) - len(version.release))
-        hit = release[: len(prefix)] == prefix
-        return hit if op == "==" else not hit
-    want = Version(target)
-    if op in ("==", "!="):
-        same = version.key() == want.key()
-        if same and want.local is not None:
-            same = version.local == want.local
-        return same if op == "==" else not same
-    if op == "~=":
-        if len(want.release) < 2:
-            raise ValueError("~= needs at least two release parts: %r" % (clause,))
-        prefix = want.release[:-1]
-        release = version.release + (0,) * max(0, len(prefix) - len(version.release))
-        return version.key() >= want.key() and release[: len(prefix)] == prefix
-    kv, kw = version.key(), want.key()
-    if op == "<":
-        return kv < kw
-    if op == "<=":
-        return kv <= kw
-    if op == ">":
-        return kv > kw
-    return kv >= kw
+def _match_one(version: Version, clause: Specifier) -> bool:
+    if clause.operator in ("<", ">"):  # plain order: PEP 440 would leave out 3.7.1rc1 from <3.7.1
+        public, want = Version(version.public), Version(clause.version)
+        return public < want if clause.operator == "<" else public > want
+    return clause.contains(version, prereleases=True)
 
 
 def version_matches(version: str, spec: str) -> bool:
-    """Whether ``version`` satisfies every comma-separated clause of ``spec`` ("" = any)."""
+    """Whether ``version`` satisfies every comma-separated clause of ``spec`` ("" = any).
+
+    Raises ValueError (InvalidVersion, InvalidSpecifier) for text that does not parse."""
     parsed = Version(version)
-    return all(_match_one(parsed, c) for c in spec.split(",") if c.strip())
-
-
-def normalize_name(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return all(_match_one(parsed, clause) for clause in SpecifierSet(spec))
 
 
 # -- GPU arch ---------------------------------------------------------------------------
@@ -205,7 +126,7 @@ def match_entries(
     entries: Optional[List[Dict[str, Any]]] = None,
 ) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
     """Like ``match_known_bad`` but returns ``(entry, problem)`` pairs."""
-    pkgs = {normalize_name(k): v for k, v in packages.items()}
+    pkgs = {canonicalize_name(k): v for k, v in packages.items()}
     out = []
     for entry in entries if entries is not None else load_entries():
         caps = _gpu_matches(entry.get("gpu") or {}, capabilities)
@@ -216,7 +137,7 @@ def match_entries(
         found: Dict[str, str] = {}
         ok = True
         for name, spec in (entry.get("packages") or {}).items():
-            version = pkgs.get(normalize_name(name))
+            version = pkgs.get(canonicalize_name(name))
             if not version:
                 ok = False
                 break
@@ -228,7 +149,7 @@ def match_entries(
                 ok = False  # an unparsable version never matches: no guessing
                 break
             found[name] = version
-        if not ok or any(pkgs.get(normalize_name(n)) for n in entry.get("absent") or []):
+        if not ok or any(pkgs.get(canonicalize_name(n)) for n in entry.get("absent") or []):
             continue
         detail = ""
         if entry.get("requires_arch_list"):

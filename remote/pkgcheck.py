@@ -1,4 +1,4 @@
-"""What is installed in an interpreter, and does it hold together? (stdlib only, python3 3.8+)
+"""What is installed in an interpreter, and does it hold together? (python3 3.8+, stdlib + vendored packaging)
 
 Run it with the interpreter to inspect -- a job's venv python -- so the answer comes from
 that environment in a fresh process:  ``VENV/bin/python -m remote.pkgcheck`` with the request
@@ -44,8 +44,11 @@ except ImportError:  # pragma: no cover - python < 3.8
     metadata = None  # type: ignore[assignment]
 
 from remote._proto import RemoteError, main
-from remote.pep440 import InvalidSpecifier, SpecifierSet, Version, canonicalize_name
-from remote.pep508 import InvalidMarker, InvalidRequirement, Requirement
+from remote._vendor.packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
+from remote._vendor.packaging.requirements import InvalidRequirement, Requirement
+from remote._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
+from remote._vendor.packaging.utils import canonicalize_name
+from remote._vendor.packaging.version import Version
 
 
 class Dist:
@@ -89,11 +92,21 @@ def problem(kind: str, package: str | None, expected: str | None, found: str | N
     return p
 
 
+def first_line(exc: Exception) -> str:
+    """packaging's parse errors add the text and a caret on further lines; messages keep one."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def dist_key(req: Requirement) -> str:
+    """The normalized (PEP 503) distribution name of a requirement."""
+    return canonicalize_name(req.name)
+
+
 def _parse(spec: str) -> Requirement:
     try:
         return Requirement(spec)
     except (InvalidRequirement, InvalidSpecifier) as exc:
-        raise RemoteError("config", "invalid package spec %r: %s" % (spec, exc)) from None
+        raise RemoteError("config", "invalid package spec %r: %s" % (spec, first_line(exc))) from None
 
 
 def _applies(req: Requirement, extras: set) -> bool:
@@ -103,13 +116,14 @@ def _applies(req: Requirement, extras: set) -> bool:
         try:
             if req.marker.evaluate({"extra": extra}):
                 return True
-        except InvalidMarker:
+        except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
             return False
     return False
 
 
 def _contains(spec: SpecifierSet, version: str) -> bool:
-    return spec.contains(version)
+    """Pre-releases that match count (an installed 3.7.0rc1 satisfies >=3.6, as for pip check)."""
+    return spec.contains(version, prereleases=True)
 
 
 def check_pins(pins: list, dists: dict) -> list:
@@ -118,12 +132,12 @@ def check_pins(pins: list, dists: dict) -> list:
         req = _parse(spec)
         if not _applies(req, set(req.extras)):
             continue
-        d = dists.get(req.key)
+        d = dists.get(dist_key(req))
         want = str(req.specifier) or None
         if d is None:
-            out.append(problem("missing", req.key, want, None, "asked %s; %s is not installed" % (spec, req.name)))
+            out.append(problem("missing", dist_key(req), want, None, "asked %s; %s is not installed" % (spec, req.name)))
         elif not _contains(req.specifier, d.version):
-            out.append(problem("pin", req.key, want, d.version, "asked %s; %s is %s" % (spec, d.name, d.version)))
+            out.append(problem("pin", dist_key(req), want, d.version, "asked %s; %s is %s" % (spec, d.name, d.version)))
     return out
 
 
@@ -132,14 +146,14 @@ def requested_extras(pins: list, dists: dict) -> dict:
     extras = {}  # type: dict
     for spec in pins:
         req = _parse(spec)
-        extras.setdefault(req.key, set()).update(canonicalize_name(e) for e in req.extras)
+        extras.setdefault(dist_key(req), set()).update(canonicalize_name(e) for e in req.extras)
     changed = True
     while changed:
         changed = False
         for d in dists.values():
             for req in _requirements(d):
                 if req.extras and _applies(req, extras.get(d.key, set())):
-                    have = extras.setdefault(req.key, set())
+                    have = extras.setdefault(dist_key(req), set())
                     new = set(canonicalize_name(e) for e in req.extras) - have
                     if new:
                         have.update(new)
@@ -163,14 +177,14 @@ def check_consistency(dists: dict, extras: dict) -> list:
         for req in _requirements(d):
             if not _applies(req, extras.get(d.key, set())):
                 continue
-            target = dists.get(req.key)
+            target = dists.get(dist_key(req))
             want = req.name + str(req.specifier)
             if target is None:
-                out.append(problem("missing", req.key, str(req.specifier) or None, None,
+                out.append(problem("missing", dist_key(req), str(req.specifier) or None, None,
                                    "%s %s requires %s, which is not installed" % (d.name, d.version, want),
                                    required_by=d.key))
             elif not _contains(req.specifier, target.version):
-                out.append(problem("requirement", req.key, str(req.specifier), target.version,
+                out.append(problem("requirement", dist_key(req), str(req.specifier), target.version,
                                    "%s %s requires %s; %s is %s" % (d.name, d.version, want, target.name,
                                                                     target.version),
                                    required_by=d.key))
@@ -182,20 +196,28 @@ def check_candidates(candidates: list, dists: dict, extras: dict) -> list:
     out = []
     for spec in candidates:
         cand = _parse(spec)
-        version = cand.specifier.exact_version()
+        version = exact_version(cand.specifier)
         if version is None:
             continue
         for d in sorted(dists.values(), key=lambda x: x.key):
-            if d.key == cand.key:
+            if d.key == dist_key(cand):
                 continue
             for req in _requirements(d):
-                if req.key == cand.key and _applies(req, extras.get(d.key, set())) \
+                if dist_key(req) == dist_key(cand) and _applies(req, extras.get(d.key, set())) \
                         and not _contains(req.specifier, version):
-                    out.append(problem("requirement", cand.key, str(req.specifier), version,
+                    out.append(problem("requirement", dist_key(cand), str(req.specifier), version,
                                        "%s %s requires %s%s; the job asks %s" % (d.name, d.version, req.name,
                                                                                  req.specifier, spec),
                                        required_by=d.key))
     return out
+
+
+def exact_version(spec: SpecifierSet) -> str | None:
+    """The version of a single ``==V`` (no wildcard) clause, else None."""
+    clauses = list(spec)
+    if len(clauses) == 1 and clauses[0].operator in ("==", "===") and "*" not in clauses[0].version:
+        return clauses[0].version
+    return None
 
 
 def _top_level(d: Dist) -> list:
@@ -274,7 +296,7 @@ def apply_overrides(problems: list, overrides: list) -> tuple:
     by_key = {}
     for o in overrides:
         req = _parse(o["package"])
-        by_key[req.key] = (req, o.get("reason") or "")
+        by_key[dist_key(req)] = (req, o.get("reason") or "")
     kept, warned = [], []
     for p in problems:
         hit = by_key.get(p.get("package") or "")
@@ -297,7 +319,7 @@ def check(request: dict) -> dict:
     overrides = list(request.get("overrides") or [])
     names = request.get("names")
     if names is None:
-        names = [_parse(p).key for p in pins]
+        names = [dist_key(_parse(p)) for p in pins]
     dists = installed()
     extras = requested_extras(pins, dists)
     problems = check_pins(pins, dists)
