@@ -16,10 +16,12 @@ are random and never appear in argv (weed reads a 0600 JSON file, rclone an env 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -107,6 +109,7 @@ class S3Server:
         self.endpoint: S3Endpoint | None = None
         self.startup_s = 0.0
         self._tmp: str | None = None
+        self._ports: list[int] = []  # weed's ports: it names unix sockets in /tmp after them
 
     @staticmethod
     def missing() -> str | None:
@@ -148,6 +151,7 @@ class S3Server:
                 "name": "dfo", "credentials": [{"accessKey": ak, "secretKey": sk}],
                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
             p = free_ports(10)
+            self._ports = p
             port = p[6]
             argv = [binary, "mini", f"-dir={data}", f"-ip={self.address}", f"-ip.bind={self.address}",
                     f"-s3.config={cfg}", "-admin.ui=false", "-webdav=false", "-s3.iam=false",
@@ -201,3 +205,11 @@ class S3Server:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        # weed puts its gRPC and filer sockets in /tmp whatever TMPDIR says (/tmp/seaweedfs-<what>-<port>.sock):
+        # remove the ones named after this server's ports, sockets only
+        for port in self._ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(sock.lstat().st_mode):
+                        sock.unlink()
+        self._ports = []
