@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import shlex
+import shutil
 import signal
 import tarfile
 import tempfile
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import click
 import yaml
+from rich.markup import escape
+
+from remote.fsutil import human_bytes
 
 from ..cli_common import err_console
 from ..demo_data import write_data, write_model
@@ -45,6 +49,34 @@ def _upload_wheels(tb: object, node: object, wheels: Path) -> None:
         raise HostError(f"could not copy the demo's wheels to the node: {r.stderr.decode()[-300:]}")
 
 
+def _size(folder: Path) -> int:
+    """Bytes under folder (files as they are, links not followed)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _clean_up(wd: Path, made_here: bool, why: str) -> None:
+    """Remove the demo's folder if the demo made it; otherwise say what stays there and how to remove it."""
+    size = human_bytes(_size(wd)) if wd.is_dir() else "0 B"
+    rm = escape(f"rm -rf {shlex.quote(str(wd))}")
+    if made_here:
+        shutil.rmtree(wd, ignore_errors=True)
+        if not wd.exists():
+            _say(f"removed {escape(str(wd))} ({size}: the node's files and venv, the S3 data, the testbed's keys)")
+            return
+        _say(f"[red]could not remove all of {escape(str(wd))}[/]; remove it with: {rm}")
+        return
+    _say(f"kept {escape(str(wd))} ({why}): {size}: the node's /root (its venv, the wheels) and /workspace, "
+         "the testbed's private key (id_ed25519), the S3 server's data and keys (s3/, s3.env with --keep), "
+         f"inventory.yaml and demo.yaml. Remove it with: {rm}")
+
+
 def demo_job(workdir: Path, endpoint: str, steps: int) -> Path:
     """jobs/demo.yaml with the throwaway endpoint filled in, written beside the testbed."""
     src = PROJECT / "jobs" / "demo.yaml"
@@ -63,7 +95,8 @@ def demo_job(workdir: Path, endpoint: str, steps: int) -> Path:
               show_default=True, help="Wheel folder for the node's venv (CPU torch); `bash .ci/setup --demo` fills it.")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Training steps.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the testbed keeps its files (default: a new temporary folder).")
+              help="Where the testbed keeps its files, kept afterwards (default: a new temporary folder, "
+                   "removed at the end unless --keep).")
 @click.pass_context
 def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: Path | None) -> int:
     """Run dfo's main job end to end on a throwaway node on this machine.
@@ -72,8 +105,10 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
     endpoint (SeaweedFS), puts a small tokenized dataset and a small target model into the
     bucket, then runs `dfo up` with jobs/demo.yaml: provision (a venv with CPU torch, every
     install verified), stage-model (S3 -> /dev/shm), sync-data (S3 -> /workspace), launch, and
-    tail until training ends. Then it tears everything down, unless --keep. Needs root (for
-    the node's namespaces), sshd, and the wheels from `bash .ci/setup --demo`.
+    tail until training ends. Then it stops the node and the endpoint and removes every file it
+    made (the node's venv, the S3 data, the testbed's keys: about 1 GB), unless --keep or
+    --workdir: then it says what stays, and where. Needs root (for the node's namespaces), sshd,
+    and the wheels from `bash .ci/setup --demo`.
     """
     from ..testbed import Testbed
 
@@ -84,6 +119,7 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
         raise ConfigError("the demo cannot start a throwaway node here: " + "; ".join(missing))
     wd = workdir or Path(tempfile.mkdtemp(prefix="dfo-demo-"))
     wd.mkdir(parents=True, exist_ok=True)
+    keep_files = keep or workdir is not None
     t0 = time.monotonic()
     tb = Testbed(wd, nodes=1, s3=True, shm_size="256m")
     try:
@@ -128,10 +164,16 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
             except KeyboardInterrupt:
                 keep = False
         return code
+    except BaseException:
+        keep = False  # a failure or Ctrl-C before the wait: nothing left running
+        raise
     finally:
         if not keep:
-            tb.stop()
-            _say("node and S3 endpoint stopped")
+            try:
+                tb.stop()
+                _say("node and S3 endpoint stopped")
+            finally:
+                _clean_up(wd, made_here=not keep_files, why="--workdir" if workdir is not None else "--keep")
 
 
 COMMANDS = [demo_cmd]
