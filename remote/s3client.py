@@ -5,7 +5,13 @@
 * ListObjectsV2, paginated, parsed with ElementTree; HEAD; GET of a whole object or a byte range
   streamed with ``readinto`` into a reused buffer and written with ``os.pwrite`` at its offset;
 * errors become ``S3Error`` with a kind ("verify": S3 answered no; "unreachable": no answer) and a
-  message naming the object and the endpoint, and say whether a retry may help.
+  message naming the object and the endpoint, and say whether a retry may help. A response body is
+  quoted only when it is short printable text (an S3 XML error's Code and Message); anything else is
+  described by its status, content type and length, and never read past ``ERR_READ_MAX``;
+* a ranged GET is accepted as 206, or as 200 when its Content-Range is the range asked for (rclone's
+  S3 server answers so); a Content-Range for other bytes is refused (they would land at the wrong
+  offset); a 200 with the whole object (a server may ignore Range, RFC 7233) raises ``RangeIgnored``
+  before any byte is written, for the caller to fetch the object in one GET instead.
 
 Path-style addressing for a custom endpoint (SeaweedFS, MinIO, Ceph, R2 ...), virtual-hosted
 style on AWS itself.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import socket
 import threading
 import time
@@ -23,6 +30,8 @@ from urllib.parse import urlsplit
 from remote.s3sig import sign, uri_encode
 
 BUF_SIZE = 1 << 20
+ERR_READ_MAX = 64 << 10  # an error body bigger than this is not read (the connection is dropped instead)
+ERR_TEXT_MAX = 300  # a non-XML error body is quoted only when it is printable text this short
 LIST_RETRIES = 3
 RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
 
@@ -42,6 +51,10 @@ class Stopped(Exception):
     """The transfer was asked to stop (another worker failed, or a signal)."""
 
 
+class RangeIgnored(Exception):
+    """A ranged GET was answered 200 with no Content-Range: the server sent the whole object."""
+
+
 def split_s3_url(url):
     """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix")."""
     if not url.startswith("s3://"):
@@ -57,16 +70,62 @@ def _strip_ns(tag):
     return tag.rsplit("}", 1)[-1]
 
 
-def _error_fields(body):
-    """(Code, Message, Region) from an S3 XML error body, tolerant of garbage."""
+def _int(value):
     try:
-        root = ET.fromstring(body)
-    except ET.ParseError:
-        return None, body[:200].decode("utf-8", "replace").strip() or None, None
-    fields = {}
-    for child in root:
-        fields[_strip_ns(child.tag)] = (child.text or "").strip()
-    return fields.get("Code"), fields.get("Message"), fields.get("Region")
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _text(raw, limit=ERR_TEXT_MAX):
+    """``raw`` (bytes or str) as one line of printable text of at most ``limit`` characters, or None."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    text = " ".join(raw.split())
+    if not text or not text.isprintable():
+        return None
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _error_fields(body, ctype, length, complete):
+    """(Code, Message, Region) from an error response: an S3 XML error's fields when it has them
+    (printable, short); else the body when it is short text; else a description of it, never its bytes."""
+    if complete and body.lstrip()[:1] == b"<":
+        try:
+            root = ET.fromstring(body)
+        except ET.ParseError:
+            root = None
+        if root is not None:
+            fields = {}
+            for child in root:
+                fields[_strip_ns(child.tag)] = _text(child.text or "")
+            code = fields.get("Code")
+            if code is not None and not re.match(r"^[A-Za-z0-9.]{1,64}$", code):
+                code = None
+            if code or fields.get("Message"):
+                return code, fields.get("Message"), fields.get("Region")
+    ctype = (ctype or "").split(";")[0].strip().lower()
+    textual = not ctype or ctype.startswith("text/") or ctype in ("application/xml", "application/json")
+    if not body and complete:
+        return None, None, None
+    if complete and textual and len(body) <= ERR_TEXT_MAX:
+        text = _text(body)
+        if text is not None:
+            return None, text, None
+    return None, "body not shown (%s, %s%d bytes)" % (
+        _text(ctype, 60) or "no content type", "" if complete or length is not None else "at least ",
+        length or len(body)), None
+
+
+def parse_content_range(value):
+    """``bytes START-END/TOTAL`` (TOTAL may be ``*``) -> (start, end, total or None), else None."""
+    m = re.match(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", value or "")
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), None if m.group(3) == "*" else int(m.group(3))
 
 
 class S3Client:
@@ -170,8 +229,12 @@ class S3Client:
                        hint="check s3.endpoint_url in the job file and that the node can reach it")
 
     def _http_error(self, resp, bucket, key, method):
-        body = b"" if method == "HEAD" else resp.read()
-        code, message, region = _error_fields(body) if body else (None, None, None)
+        length = _int(resp.getheader("content-length"))
+        body = b""
+        if method != "HEAD" and (length is None or length <= ERR_READ_MAX):
+            body = resp.read(ERR_READ_MAX + 1)
+        complete = method == "HEAD" or resp.isclosed()
+        code, message, region = _error_fields(body, resp.getheader("content-type"), length, complete)
         status = resp.status
         if code is None:
             code = {403: "AccessDenied", 404: "NotFound", 301: "PermanentRedirect"}.get(status, "HTTP%d" % status)
@@ -195,10 +258,36 @@ class S3Client:
     def check(self, resp, bucket, key, method, ok=(200,)):
         if resp.status not in ok:
             err = self._http_error(resp, bucket, key, method)
+            unread = method != "HEAD" and not resp.isclosed()
             if resp.will_close or method != "HEAD":
                 resp.close()
+            if unread:  # the rest of the body is still on the wire: this connection cannot be reused
+                self._drop(self._target(bucket, key)[0])
             raise err
         return resp
+
+    def _check_range(self, resp, bucket, key, start, length, size):
+        """A ranged GET's answer must be the range asked for (206, or 200 with that Content-Range)."""
+        value = resp.getheader("content-range")
+        if value is None and resp.status == 206:
+            return  # no Content-Range to compare: Content-Length and the object's checksum still are
+        if value is None:
+            got = _int(resp.getheader("content-length"))
+            if start == 0 and got == length and size in (None, length):
+                return  # the range asked for was the whole object
+            raise RangeIgnored("%s: the server ignored Range (HTTP 200, %s bytes, no Content-Range)"
+                               % (self.where(bucket, key), got if got is not None else "unknown"))
+        rng = parse_content_range(value)
+        if rng is not None and rng[:2] == (start, start + length - 1):
+            if size is None or rng[2] in (None, size):
+                return
+            raise S3Error("verify", "%s: the object has %d bytes now, %d when listed (it changed while it was "
+                          "read?)" % (self.where(bucket, key), rng[2], size), retryable=True)
+        raise S3Error("verify", "%s: asked for bytes=%d-%d, the server sent Content-Range %s (HTTP %d); "
+                      "those bytes were not written" % (self.where(bucket, key), start, start + length - 1,
+                                                         _text(value, 80) or "(unreadable)", resp.status),
+                      hint="this S3 server answers ranged GETs wrongly; set s3.multipart_threshold_mb above "
+                      "the largest object so that each is fetched in one GET")
 
     # ------------------------------------------------------------------ operations
     def list_objects(self, bucket, prefix):
@@ -247,7 +336,7 @@ class S3Client:
         return {k.lower(): v for k, v in resp.getheaders()}
 
     def get_into(self, bucket, key, fd, start, length, ranged, on_headers=None, progress=None, stop=None,
-                 if_match=None, write_lock=None, checksums=True):
+                 if_match=None, write_lock=None, checksums=True, size=None):
         """GET ``length`` bytes of the object from ``start`` (a Range request when ``ranged``) and
         write them into ``fd`` at offset ``start``.
 
@@ -255,7 +344,9 @@ class S3Client:
         the body and may return an object whose ``update`` gets every byte in order. ``if_match``
         (the listed ETag) makes S3 refuse (412) an object that changed since it was listed.
         ``checksums`` asks S3 for the object's checksums (x-amz-checksum-mode); ``write_lock`` is held
-        around each write into ``fd``.
+        around each write into ``fd``. ``size`` (the whole object's, when known) is compared with a
+        ranged answer's Content-Range. A ranged GET answered with the whole object raises
+        ``RangeIgnored`` before any byte is written.
         Return the response headers.
         """
         headers = {"x-amz-checksum-mode": "ENABLED"} if checksums else {}
@@ -265,7 +356,14 @@ class S3Client:
             headers["if-match"] = '"%s"' % if_match
         netloc = self._target(bucket, key)[0]
         resp = self.check(self.request("GET", bucket, key, headers=headers), bucket, key, "GET",
-                          ok=(206,) if ranged else (200,))
+                          ok=(200, 206) if ranged else (200,))
+        if ranged:
+            try:
+                self._check_range(resp, bucket, key, start, length, size)
+            except (S3Error, RangeIgnored):
+                resp.close()  # its body is not read: neither is this connection reused
+                self._drop(netloc)
+                raise
         got = resp.getheader("content-length")
         if got is not None and int(got) != length:
             resp.close()

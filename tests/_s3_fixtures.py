@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.testbed import Testbed
+from orchestrator.testbed import S3Endpoint, Testbed
 
 MIB = 1 << 20
 
@@ -43,24 +43,25 @@ class Dataset:
 
 
 def upload(tb: Testbed, bucket: str, prefix: str, files: dict[str, bytes], multipart: set[str] = frozenset(),
-           bare: set[str] = frozenset()) -> Dataset:
-    """Put files on the testbed's S3: single PUTs (plain MD5 ETags); multipart uploads in 5 MiB parts
-    (ETag "<md5>-N") for the names in ``multipart``, with boto3's default COMPOSITE CRC32 checksum, or
-    without any checksum for the names also in ``bare``."""
+           bare: set[str] = frozenset(), s3: S3Endpoint | None = None) -> Dataset:
+    """Put files on the testbed's S3 (or on ``s3``, another server): single PUTs (plain MD5 ETags);
+    multipart uploads in 5 MiB parts (ETag "<md5>-N") for the names in ``multipart``, with boto3's
+    default COMPOSITE CRC32 checksum, or without any checksum for the names also in ``bare``."""
     import io
 
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    assert tb.s3 is not None
-    tb.s3.create_bucket(bucket)
-    client = tb.s3.client()
+    ep = s3 or tb.s3
+    assert ep is not None
+    ep.create_bucket(bucket)
+    client = ep.client()
     plain = client
     if bare:
         import boto3
 
-        plain = boto3.client("s3", endpoint_url=tb.s3.url, aws_access_key_id=tb.s3.access_key,
-                             aws_secret_access_key=tb.s3.secret_key, region_name=tb.s3.region,
+        plain = boto3.client("s3", endpoint_url=ep.url, aws_access_key_id=ep.access_key,
+                             aws_secret_access_key=ep.secret_key, region_name=ep.region,
                              config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"))
     cfg = TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB)
 
