@@ -50,14 +50,21 @@ def _upload_wheels(tb: object, node: object, wheels: Path) -> None:
 
 
 def _size(folder: Path) -> int:
-    """Bytes under folder (files as they are, links not followed)."""
+    """Disk space used under folder, like du: sparse files count what they hold, hard links once
+    (uv links the node's venv to its cache), symlinks are not followed."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for dirpath, _dirs, files in os.walk(folder):
         for f in files:
             try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
+                st = os.lstat(os.path.join(dirpath, f))
             except OSError:
-                pass
+                continue
+            if st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
     return total
 
 
