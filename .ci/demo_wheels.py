@@ -8,7 +8,8 @@ that works:
 1. PyTorch's CPU index, https://download.pytorch.org/whl/cpu (or $DFO_TORCH_INDEX), when it answers
    within 5 s; numpy and torch's own dependencies come from pip's usual index.
 2. A torch-<version>+cpu wheel that pip already finds without an index (its find-links, e.g. a
-   machine's local wheel cache); the rest as above.
+   machine's local wheel cache, or the folder itself, where one may copy wheels fetched elsewhere);
+   the rest as above.
 3. Neither: exit 3 with what to do. Nothing large is fetched behind your back.
 
 Says what it fetches and how big, before and after. A folder that is complete for this python
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
     else:
         say(f"PyTorch's CPU index {index} did not answer within 5 s; looking for a local torch {TORCH}+cpu "
             "wheel (pip's find-links)")
-        probe = pip_download(dest, pyver, [reqs[0]], "--no-index", "--no-deps", "-q")
+        probe = pip_download(dest, pyver, [reqs[0]], "--no-index", "--no-deps", "-q", "--find-links", str(dest))
         if probe != 0:
             print(f"""setup: no CPU build of torch {TORCH} for Python {pyver} can be had here, so the demo cannot run.
   PyTorch's CPU index ({index}) is unreachable and pip finds no local torch-{TORCH}+cpu wheel.
