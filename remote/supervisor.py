@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from remote.fsutil import write_json  # the one durable writer (fsync of file and directory), 0600
+
 META = "meta.json"
 END = "end.json"
 STOP = "stop.json"
@@ -28,18 +30,6 @@ GUARD_LOG = "autotune_guard.jsonl"
 
 def now_iso(ts=None):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if ts is None else ts))
-
-
-def write_json(path, obj):
-    """Write JSON by temp name + rename: a reader sees the old file or the new one, never half."""
-    tmp = "%s.%d.tmp" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # records are the owner's only
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from packaging.utils import canonicalize_name
 from pydantic import BaseModel
 
 from ..agent import run_module
@@ -28,7 +29,7 @@ def provision_record_path(workspace: str, job_name: str) -> str:
 def dist_name(spec: str) -> str:
     """The distribution name of a requirement line (``torch==2.11.0`` -> ``torch``)."""
     name = re.split(r"[\s<>=!~\[;@(]", spec.strip(), maxsplit=1)[0]
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return canonicalize_name(name)
 
 
 class VerifyReport(BaseModel):

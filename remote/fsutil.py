@@ -1,0 +1,84 @@
+"""Files on the node: the one durable atomic writer, and byte sizes for people (python3 3.8+, stdlib only).
+
+Every JSON record dfo keeps (run records, provision records, the data manifest) goes through
+``write_atomic``; every size shown to a user, on the node or on the controller, through
+``human_bytes``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+FILE_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in directory ``path`` durable (best effort: some filesystems refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600, dir_fd: int | None = None) -> None:
+    """Write ``data`` to ``path`` durably: a new temp file in the same folder, fsync, rename, fsync
+    of the folder. A reader sees the old file or the new one, never half of one, even after a crash
+    or a power loss; a failed write leaves no temp file. The file gets ``mode`` (less the umask):
+    the owner's only unless the caller says otherwise. Neither the temp file nor ``path`` is
+    followed if it is a symlink. With ``dir_fd``, ``path`` is a name in that open folder (nothing
+    is looked up by path, so a folder swapped for a symlink meanwhile is never written through)."""
+    folder, name = os.path.split(path)
+    if dir_fd is not None and folder:
+        raise ValueError("with dir_fd, write_atomic takes a name, not a path: %r" % (path,))
+    tmp = os.path.join(folder, ".%s.%d.%d.tmp" % (name, os.getpid(), threading.get_ident()))
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # a temp file left by a crash keeps its old mode: start anew
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    if dir_fd is None:
+        fsync_dir(folder or ".")
+    else:
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass
+
+
+def write_json(path: str, obj: object, mode: int = 0o600) -> None:
+    """``obj`` as indented JSON with sorted keys (non-JSON values as their str), through write_atomic."""
+    text = json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n"
+    write_atomic(path, text.encode("utf-8"), mode)
+
+
+def human_bytes(n: float) -> str:
+    """``1000 B``, ``1.5 KiB``, ``21.0 MiB``, ``10.04 GiB``: binary units, two decimals from GiB on
+    (where one decimal could print the same number for what a transfer needs and what is free)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return "%d %s" % (n, unit) if unit == "B" else "%.*f %s" % (2 if unit == "GiB" else 1, n, unit)
+        n /= 1024.0
+    return "%.2f TiB" % n
