@@ -4,7 +4,8 @@ All SSH options live here, in one commented place:
 
 * one connection per host per dfo command, reused for every remote call (``Connection``);
 * connect timeout (inventory ``defaults.connect_timeout``) for TCP, banner and auth;
-* keepalives every ``KEEPALIVE_S`` seconds so a dead link is noticed while a command runs;
+* liveness on every call: a keepalive that wants a reply every ``ALIVE_INTERVAL_S``; no reply for
+  ``ALIVE_DEAD_S`` and the link counts as dead: the call in flight raises HostError (exit 4);
 * an explicit timeout on every call (``run(..., timeout=)``);
 * host keys: dfo keeps its own known_hosts. An unknown key is recorded on first contact
   (OpenSSH's ``StrictHostKeyChecking=accept-new``); a changed key is refused before any
@@ -19,6 +20,7 @@ All SSH options live here, in one commented place:
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import logging
 import os
@@ -36,8 +38,22 @@ import paramiko
 from .config import ResolvedHost
 from .errors import ConfigError, HostError, HostKeyError
 
-KEEPALIVE_S = 15
 _KH_LOCK = threading.Lock()
+
+# Liveness, for every call (not only tail). paramiko's own keepalive (Transport.set_keepalive) wants
+# no reply, so it cannot tell a dead link from a quiet one: a cut link or a hung node left a call
+# waiting until TCP gave up (~15 min). dfo does what OpenSSH's ServerAliveInterval does: every
+# ALIVE_INTERVAL_S it sends the global request "keepalive@openssh.com" with want_reply. Any answer
+# (sshd answers "request failed") proves the node's sshd is there, however long the command itself
+# stays silent (a quiet pip install, `sleep 600`). No answer for ALIVE_DEAD_S: the link is cut, or the
+# node or its sshd hung; the connection is closed and the call in flight raises HostError (exit 4).
+# From the cut to the error: at most ALIVE_DEAD_S + ALIVE_CHECK_S (under the 30 s dfo promises).
+ALIVE_REQUEST = "keepalive@openssh.com"
+ALIVE_INTERVAL_S = 5.0
+ALIVE_DEAD_S = 20.0
+ALIVE_CHECK_S = 0.5
+LOST_HINT = ("once the node answers again, run the same command again "
+             "(provision, stage-model and sync-data resume where they stopped)")
 
 # paramiko logs its own tracebacks (banner errors, refused channels) to stderr; dfo reports those
 # failures itself, in one or two lines. DFO_DEBUG=1 shows paramiko's log again.
@@ -108,6 +124,51 @@ def _host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, label
     )
 
 
+def _close_quietly(chan: paramiko.Channel) -> None:
+    """Close a channel whose transport may be dying under it (paramiko raises EOFError then)."""
+    try:
+        chan.close()
+    except (paramiko.SSHException, OSError, EOFError):
+        pass
+
+
+class _Liveness:
+    """Watches one SSH transport: a thread asks the node for a reply every ALIVE_INTERVAL_S, another
+    calls ``on_dead`` once no reply came for ALIVE_DEAD_S. Uses paramiko's Transport only (fabric's
+    Connection exposes it as .transport), so it carries over to fabric unchanged."""
+
+    def __init__(self, transport: paramiko.Transport, on_dead: Callable[[str], None], label: str) -> None:
+        self.transport = transport
+        self.last_reply = time.monotonic()
+        self.dead: str | None = None
+        self._on_dead = on_dead
+        self._stop = threading.Event()
+        for what, target in (("ask", self._ask), ("watch", self._watch)):
+            threading.Thread(target=target, name=f"dfo-alive-{what}-{label}", daemon=True).start()
+
+    def _ask(self) -> None:
+        t = self.transport
+        while not self._stop.wait(ALIVE_INTERVAL_S) and t.is_active():
+            try:
+                t.global_request(ALIVE_REQUEST, wait=True)  # returns on any answer, or once t is closed
+            except Exception:  # noqa: BLE001 - a transport closing under us; _watch decides
+                return
+            if t.is_active():
+                self.last_reply = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(ALIVE_CHECK_S) and self.transport.is_active():
+            silent = time.monotonic() - self.last_reply
+            if silent > ALIVE_DEAD_S:
+                self.dead = (f"the node has not answered for {silent:.0f}s "
+                             "(the link is down, or the node or its sshd hung)")
+                self._on_dead(self.dead)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Connection:
     """One SSH connection to one host, opened lazily and reused for every call."""
 
@@ -116,6 +177,8 @@ class Connection:
         self.name = host.name
         self._client: paramiko.SSHClient | None = None
         self._jump: paramiko.SSHClient | None = None
+        self._alive: _Liveness | None = None
+        self._lost_why: str | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- connect
@@ -165,16 +228,17 @@ class Connection:
                 host=h.name,
                 hint="is the node up and the port right? (defaults.connect_timeout sets the limit)",
             ) from None
-        except paramiko.ssh_exception.NoValidConnectionsError:
+        except paramiko.ssh_exception.NoValidConnectionsError as exc:
             client.close()
+            if any(getattr(e, "errno", None) == errno.EHOSTUNREACH for e in exc.errors.values()):
+                raise HostError(f"{label} is unreachable (no route to host)", host=h.name,
+                                hint="is the node up and its address right? (a link that just came back can "
+                                     "take a few seconds)") from None
             raise HostError(f"{label} refused the connection", host=h.name,
                             hint="is sshd running there, and is the port right (inventory port / ~/.ssh/config Port)?") from None
-        except (OSError, paramiko.SSHException) as exc:
+        except (OSError, paramiko.SSHException, EOFError) as exc:
             client.close()
             raise HostError(f"cannot connect to {label}: {exc}", host=h.name) from None
-        transport = client.get_transport()
-        assert transport is not None
-        transport.set_keepalive(KEEPALIVE_S)
         return client
 
     def _jump_sock(self) -> paramiko.Channel | None:
@@ -214,9 +278,37 @@ class Connection:
             except BaseException:
                 self._close_locked()
                 raise
+            transport = self._client.get_transport()
+            assert transport is not None
+            self._lost_why = None
+            self._alive = _Liveness(transport, self._dead_link(self._client, self._jump), self.name)
             return self._client
 
+    def _dead_link(self, *clients: paramiko.SSHClient | None) -> Callable[[str], None]:
+        """What the liveness watch does on a dead link: close this connection's clients (not under
+        self._lock: a connect() elsewhere may hold it), which ends the call in flight at once."""
+
+        def on_dead(why: str) -> None:
+            self._lost_why = why
+            for c in clients:
+                if c is not None:
+                    try:
+                        c.close()
+                    except Exception:  # noqa: BLE001 - closing a dead link
+                        pass
+
+        return on_dead
+
+    def _lost(self, detail: str) -> HostError:
+        """The error for a connection that died under a call (exit 4), closing what is left of it."""
+        why = self._lost_why or detail
+        self.close()
+        return HostError(f"connection lost: {why}", host=self.name, hint=LOST_HINT)
+
     def _close_locked(self) -> None:
+        if self._alive is not None:
+            self._alive.stop()
+            self._alive = None
         for c in (self._client, self._jump):
             if c is not None:
                 try:
@@ -255,13 +347,12 @@ class Connection:
                 chan.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise HostError(f"connection lost: {exc}", host=self.name) from None
+            raise self._lost(str(exc)) from None
         out, err = _Collector(on_line), bytearray()
         try:
             while True:
                 if time.monotonic() - start > limit:
-                    chan.close()
+                    _close_quietly(chan)
                     raise HostError(
                         f"remote command did not finish within {limit:g}s",
                         host=self.name,
@@ -279,19 +370,16 @@ class Connection:
                     break
                 if not got and (chan.closed or not transport.is_active()):
                     if not transport.is_active():
-                        self.close()
-                        raise HostError("connection lost while a command ran", host=self.name)
+                        raise self._lost("the connection closed while a command ran")
                     break
             code = chan.recv_exit_status()
             if code == -1 and not transport.is_active():
                 # a channel closed by a dead link reports "exit status ready" with no status
-                self.close()
-                raise HostError("connection lost while a command ran", host=self.name)
+                raise self._lost("the connection closed while a command ran")
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise HostError(f"connection lost: {exc}", host=self.name) from None
+            raise self._lost(str(exc)) from None
         finally:
-            chan.close()
+            _close_quietly(chan)
         out.flush()
         return Result(self.name, command, out.text(), err.decode("utf-8", "replace"), code, time.monotonic() - start)
 
