@@ -198,7 +198,7 @@ class S3Config(Strict):
     endpoint_url: str | None = None
     region: str = "us-east-1"
     profile: str | None = None
-    credentials: Literal["controller", "node"] = "controller"
+    credentials: Literal["controller", "node", "anonymous"] = "controller"  # anonymous: unsigned (public bucket)
     concurrency: int = Field(default=32, ge=1, le=512)
     part_size_mb: int = Field(default=16, ge=5, le=5120)
     multipart_threshold_mb: int = Field(default=64, ge=5)

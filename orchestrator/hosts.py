@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from .config import Inventory, ResolvedHost, expand_targets, load_inventory, resolve_host
 from .connection import Connection, open_connection
-from .errors import EXIT_UNEXPECTED, DfoError
+from .errors import EXIT_UNEXPECTED, DfoError, HostError
 
 T = TypeVar("T")
 
@@ -28,6 +30,19 @@ class Outcome(Generic[T]):
             return self.error.exit_code
         code = getattr(self.value, "exit_code", 0)
         return int(code or 0)
+
+
+_RESOLVER_ERRNO = re.compile(r"\[Errno -\d+\]")  # getaddrinfo's EAI_* codes are negative
+
+
+def _unresolved(exc: HostError) -> HostError:
+    """A host name that does not resolve (the resolver's error under the HostError) gets a hint."""
+    resolver = isinstance(exc.__context__, socket.gaierror) or _RESOLVER_ERRNO.search(exc.message)
+    if resolver and exc.hint is None and "does not resolve" not in exc.message:
+        exc.message += " (the host name does not resolve)"
+        exc.hint = ("check the host name (inventory host:, or HostName in ~/.ssh/config for an alias), "
+                    "and that DNS answers for it here")
+    return exc
 
 
 class HostSession:
@@ -66,6 +81,8 @@ class HostSession:
             except DfoError as exc:
                 if exc.host is None:
                     exc.host = name
+                if isinstance(exc, HostError):
+                    _unresolved(exc)
                 return Outcome(name, error=exc)
             except Exception as exc:  # noqa: BLE001 - reported per host, never a traceback
                 err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name,

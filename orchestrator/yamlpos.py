@@ -42,6 +42,27 @@ def _describe(err: dict[str, Any]) -> str:
     return msg[0].lower() + msg[1:] if msg else "invalid"
 
 
+# a construct the parser only finds unclosed lines later, at the next token that cannot be in it
+_UNCLOSED = {"while scanning a quoted scalar": "a quoted string", "while parsing a flow sequence": "a '['",
+             "while parsing a flow mapping": "a '{'"}
+
+
+def yaml_error(name: str, text: str, exc: yaml.YAMLError) -> str:
+    """``FILE:LINE: not valid YAML: ...`` naming the line of the fault. PyYAML's problem mark is where
+    the parser gave up: for a quote or bracket never closed that is lines later (the end of the
+    file, or the next ':'), so the line where that quote or bracket opened is named instead."""
+    last = max(1, len(text.splitlines()))
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    line = min(mark.line + 1, last) if mark is not None else None
+    ctx, ctx_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    what = _UNCLOSED.get(ctx or "")
+    if what and ctx_mark is not None and (line is None or ctx_mark.line + 1 < line):
+        later = "the file ends first" if "end of stream" in problem else f"line {line}: {problem}"
+        return f"{name}:{ctx_mark.line + 1}: not valid YAML: {what} opened here is never closed ({later})"
+    return f"{name}{f':{line}' if line else ''}: not valid YAML: {problem}"
+
+
 def load_model(path: Path, model: type[BaseModel], *, display: str | None = None) -> Any:
     """Parse ``path`` as YAML and validate it with ``model``; errors name file, line and field."""
     name = display or str(path)
@@ -55,10 +76,7 @@ def load_model(path: Path, model: type[BaseModel], *, display: str | None = None
         node = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{name}{where}: not valid YAML: {problem}") from None
+        raise ConfigError(yaml_error(name, text, exc)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
