@@ -9,7 +9,7 @@ import sys
 import click
 
 from . import __version__
-from .cli_common import print_json, report_error
+from .cli_common import clean, print_json, report_error
 from .errors import EXIT_UNEXPECTED, DfoError
 
 # module -> the click commands it exports as COMMANDS; order is the order of `dfo --help`
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback for the user
         if os.environ.get("DFO_DEBUG"):
             raise
-        sys.stderr.write(f"error: unexpected {type(exc).__name__}: {exc}\n  set DFO_DEBUG=1 for a traceback\n")
+        sys.stderr.write(f"error: unexpected {type(exc).__name__}: {clean(exc)}\n  set DFO_DEBUG=1 for a traceback\n")
         sys.exit(EXIT_UNEXPECTED)
     sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -4,19 +4,78 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
 from .errors import DfoError
 from .hosts import HostSession, Outcome
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# --------------------------------------------------------------------------- text from the node
+
+# C0 controls (ESC, BEL, CR, ...), DEL, C1 controls (CSI 0x9b, OSC 0x9d, ...) and the bidirectional
+# overrides that reorder what a terminal shows
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _visible(m: re.Match[str]) -> str:
+    c = m.group(0)
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def clean(text: object) -> str:
+    """Text from the node made inert for a terminal: every control character becomes a visible
+    escape (ESC -> \\x1b, BEL -> \\x07, CR -> \\r, TAB -> \\t, U+202E -> \\u202e), so a screen clear,
+    an OSC 8 link, a title setter, a carriage return or a bell shows as text and does nothing.
+    Nothing is dropped: what the node sent stays readable (``--json`` keeps the true value)."""
+    return _CONTROL.sub(_visible, "" if text is None else str(text))
+
+
+def safe(text: object) -> str:
+    """``clean`` plus rich markup escaping: for node text inside a string that rich renders as markup
+    (a job named ``[/x]`` is printed as is, never taken for a closing tag)."""
+    return escape(clean(text))
+
+
+# --------------------------------------------------------------------------- consoles
+
+WIDE = 10_000  # the width of a console that is not a terminal: lines are never wrapped there
+
+
+class DfoConsole(Console):
+    """A rich Console that, when its stream is not a terminal (a pipe, a file), neither wraps lines
+    nor pads them: `dfo status | grep RUN` and `dfo launch > out.txt` keep every line whole, without
+    trailing spaces. (rich alone would take the width of the terminal on stdin, else 80 columns.)"""
+
+    @property  # type: ignore[override]
+    def size(self) -> ConsoleDimensions:
+        dims = Console.size.fget(self)  # type: ignore[attr-defined]
+        return dims if self.is_terminal else ConsoleDimensions(WIDE, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+    def print(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
+        if self.is_terminal:
+            super().print(*objects, **kw)
+            return
+        kw.setdefault("soft_wrap", True)
+        with self.capture() as cap:
+            super().print(*objects, **kw)
+        text = "\n".join(ln.rstrip() for ln in cap.get().split("\n"))
+        self.file.write(text)
+        self.file.flush()
+
+
+console = DfoConsole(highlight=False)
+err_console = DfoConsole(stderr=True, highlight=False)
 
 
 def hosts_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +115,10 @@ def print_json(doc: Any) -> None:
 
 
 def report_error(err: DfoError) -> None:
-    err_console.print(f"[bold red]error[/]: {escape(err.render())}", markup=True, soft_wrap=True)
+    """The error on stderr: what happened (host: message) and, on its own line, what to do. Its text
+    may quote the node, so it is cleaned (control characters shown, never obeyed)."""
+    text = "\n".join(safe(ln) for ln in err.render().split("\n"))
+    err_console.print(f"[bold red]error[/]: {text}", markup=True, soft_wrap=True)
     if os.environ.get("DFO_DEBUG") and err.__cause__ is not None:
         import traceback
 

@@ -6,9 +6,17 @@ import threading
 from typing import Any
 
 import click
-from rich.markup import escape
 
-from ..cli_common import console, hosts_option, job_option, json_option, print_json, report_error, session
+from ..cli_common import (
+    console,
+    hosts_option,
+    job_option,
+    json_option,
+    print_json,
+    report_error,
+    safe,
+    session,
+)
 from ..config import load_job
 from ..errors import EXIT_OK, DfoError
 from ..steps.provision import ProvisionReport, provision, validate_job
@@ -22,10 +30,10 @@ def _step_line(host: str, multi: bool, step: dict[str, Any]) -> None:
     message = "see below" if status == "failed" else str(step.get("message", ""))
     secs = step.get("seconds") or 0
     took = f" ({secs:.1f}s)" if secs >= 1 else ""
-    prefix = f"{escape(host)}: " if multi else ""
+    prefix = f"{safe(host)}: " if multi else ""
     style = STATUS_STYLE.get(status, "")
     with _OUT:
-        console.print(f"{prefix}{escape(str(step.get('name')))}: [{style}]{status}[/]{took}  {escape(message)}",
+        console.print(f"{prefix}{safe(str(step.get('name')))}: [{style}]{safe(status)}[/]{took}  {safe(message)}",
                       soft_wrap=True)
 
 
@@ -35,10 +43,10 @@ def _summary(r: ProvisionReport) -> None:
         counts[s.get("status", "?")] = counts.get(s.get("status", "?"), 0) + 1
     parts = ", ".join(f"{n} {k}" for k, n in counts.items())
     for w in r.warnings:
-        console.print(f"[yellow]warning[/]: {escape(r.host)}: {escape(str(w.get('message')))}", soft_wrap=True)
+        console.print(f"[yellow]warning[/]: {safe(r.host)}: {safe(str(w.get('message')))}", soft_wrap=True)
     if r.ok:
         where = f"; record: {r.record}" if r.record else ""
-        console.print(f"{escape(r.host)}: [green]provisioned[/] ({parts}){escape(where)}", soft_wrap=True)
+        console.print(f"{safe(r.host)}: [green]provisioned[/] ({parts}){safe(where)}", soft_wrap=True)
 
 
 @click.command("provision")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -14,9 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from ..cli_common import (
     console,
@@ -26,17 +22,28 @@ from ..cli_common import (
     job_option,
     json_option,
     report_error,
+    safe,
     session,
 )
 from ..config import LoadedJob, RunConfig, load_job
 from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, UsageError
+from ..errors import EXIT_RUN, DfoError, HostError, UsageError
 from ..steps import runs as steps
+from .preflight import check_run
+from .runs_view import (
+    RECAP_LINES,
+    dfo_cmd,
+    duration,
+    guard_line,
+    how,
+    print_lines,
+    recap,
+    render_status,
+    state_markup,
+)
 
 _OUT = threading.Lock()
-STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
-RECAP_LINES = 10
 
 
 def _given_run(run: str | None, command: str) -> str | None:
@@ -68,45 +75,12 @@ class _Lines:
         """dfo's own remarks (uploads, reconnects): stderr, so stdout stays the log."""
         def out(text: str) -> None:
             with _OUT:
-                err_console.print(f"[dim]dfo: {escape(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
+                err_console.print(f"[dim]dfo: {safe(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
         return out
-
-
-def _dfo(ctx: click.Context, *args: str) -> str:
-    inv = ctx.obj.get("inventory")
-    return shlex.join(["dfo", *(["-i", inv] if inv else []), *args])
 
 
 def _workspace(conn: Connection, loaded: LoadedJob | None) -> str:
     return steps.job_workspace(loaded.job if loaded else None, conn.host.workspace)
-
-
-def _recap(info: steps.RunInfo, seen: list[str]) -> list[str]:
-    lines = info.tail or seen
-    return lines[-RECAP_LINES:]
-
-
-def _how(info: steps.RunInfo) -> str:
-    if info.state == "lost":
-        if info.group_left:
-            return (f"the trainer and its supervisor are gone with no end record, but {len(info.group_left)} "
-                    "processes of its group are still alive: dfo stop ends them")
-        return "its processes are gone and nothing recorded how it ended"
-    if info.signal:
-        return f"killed by {info.signal}"
-    return f"exit code {info.exit_code}"
-
-
-def _guard_line(info: steps.RunInfo) -> str | None:
-    g = info.autotune_guard
-    if not g:
-        return None
-    if g.get("installed"):
-        return "autotune guard: installed in the trainer's interpreter"
-    last = g.get("last") or {}
-    if g.get("records"):
-        return f"autotune guard: NOT installed: {last.get('error') or last}"
-    return "autotune guard: enabled; no record yet (the guard records when triton is first imported)"
 
 
 # --------------------------------------------------------------------------- launch
@@ -128,7 +102,7 @@ class Launched:
         return {"run": self.info.id, "pid": self.info.pid, "state": f.state, "exit_code": f.exit_code,
                 "signal": f.signal, "run_dir": self.info.run_dir, "uploads": self.info.uploads,
                 "autotune_guard": f.autotune_guard, "watched_seconds": round(self.watched, 1),
-                "last_lines": _recap(f, self.seen) if f.state != "running" else [],
+                "last_lines": recap(f, self.seen) if f.state != "running" else [],
                 "diagnosis": [d.to_json() for d in f.diagnoses(self.seen)]}
 
 
@@ -157,22 +131,39 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     A job with a live run on the host is refused (exit 2) unless --force. Then launch streams
     the log for --wait seconds: if the run dies in that window it prints the last lines and a
     diagnosis and exits 5; if it is alive it prints the run id, its pid, and the commands to
-    tail and stop it (exit 0). Ctrl-C while watching leaves the run running (exit 130).
+    follow, inspect and stop it (with -i and -j as given, so they work when pasted).
+    Ctrl-C while watching leaves the run running (exit 130).
+
+    \b
+    Exit codes: 0 the run is alive after --wait (or ended with 0 in it); 2 bad job file, a
+    run.upload file missing, or a live run refused; 4 host unreachable; 5 the run died in the
+    window (failed, stopped or lost); 130 Ctrl-C (the run goes on).
     """
     loaded = load_job(job_path)
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
+    check_run(loaded)  # the whole run: section, before any host is touched (exit 2)
     window = run.wait if wait is None else wait
     sess = session(ctx, hosts)
     lines = _Lines(len(sess.names) > 1, quiet=as_json)
     started: dict[str, steps.RunInfo] = {}
 
+    def cmd(command: str, host: str, run_id: str) -> str:
+        return dfo_cmd(ctx, command, host, run_id, job_path=job_path)
+
     def one(conn: Connection) -> Launched:
-        info = steps.launch(conn, loaded, force=force)
+        try:
+            info = steps.launch(conn, loaded, force=force)
+        except DfoError as exc:
+            live = (getattr(exc, "details", None) or {}).get("running")
+            if live:  # refused: the job already runs here; say how to reach that run
+                exc.hint = (f"follow it: {cmd('tail', conn.name, str(live))}; stop it: {cmd('stop', conn.name, str(live))}; "
+                            "or launch anyway with --force")
+            raise
         started[conn.name] = info
         if not as_json:
             with _OUT:
-                console.print(f"[bold]{conn.name}[/]: started run [bold]{info.id}[/] (pid {info.pid}); "
+                console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
                               f"watching {window:g}s", highlight=False, soft_wrap=True)
             for u in info.uploads or []:
                 if u.get("changed"):
@@ -194,33 +185,29 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
 
     def render(host: str, r: Launched) -> None:
         f = r.final
-        style = STATE_STYLE.get(f.state, "white")
         if f.state == "running":
-            console.print(f"[bold]{host}[/]: run [bold]{f.id}[/] is [{style}]running[/] (pid {f.pid}) "
-                          f"after {r.watched:.0f}s")
-            console.print(f"  follow: {_dfo(ctx, 'tail', '-H', host, f.id)}", highlight=False, soft_wrap=True)
-            console.print(f"  status: {_dfo(ctx, 'status', '-H', host, f.id)}", highlight=False, soft_wrap=True)
-            console.print(f"  stop:   {_dfo(ctx, 'stop', '-H', host, f.id)}", highlight=False, soft_wrap=True)
+            console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] is {state_markup(f.state)} "
+                          f"(pid {safe(f.pid)}) after {r.watched:.0f}s", soft_wrap=True)
+            for label, command in (("follow", "tail"), ("status", "status"), ("stop", "stop")):
+                console.print(f"  {label + ':':8}{safe(cmd(command, host, f.id))}", highlight=False, soft_wrap=True)
         else:
-            console.print(f"[bold]{host}[/]: run [bold]{f.id}[/] [{style}]{f.state}[/] after {_duration(f)} "
-                          f"({_how(f)})")
+            console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] {state_markup(f.state)} after "
+                          f"{duration(f)} ({how(f)})", soft_wrap=True)
             if f.state != "succeeded" and len(r.seen) > RECAP_LINES:  # else they are right above
                 console.print("last lines:")
-                for ln in _recap(f, r.seen):
-                    console.print("  " + escape(ln), highlight=False, soft_wrap=True)
-            for ln in render_diagnoses(f.diagnoses(r.seen)):
-                console.print(escape(ln), highlight=False, soft_wrap=True)
-        guard = _guard_line(f)
+                print_lines(recap(f, r.seen), "  ")
+            print_lines(render_diagnoses(f.diagnoses(r.seen)))
+        guard = guard_line(f)
         if guard:
-            console.print("  " + escape(guard))
+            console.print("  " + safe(guard), soft_wrap=True)
 
     try:
         with sess:
             outcomes = sess.each(one)
     except KeyboardInterrupt:
         for host, info in started.items():
-            err_console.print(f"dfo: detached; run {info.id} keeps running on {host}: "
-                              f"{_dfo(ctx, 'tail', '-H', host, info.id)}", highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: detached; run {safe(info.id)} keeps running on {safe(host)}: "
+                              f"{safe(cmd('tail', host, info.id))}", highlight=False, soft_wrap=True)
         return 130
     return emit(outcomes, as_json, Launched.to_json, render)
 
@@ -247,7 +234,14 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     its log is drained: exit 0 when the run succeeded, 5 when it failed, was stopped or was lost
     (with a diagnosis on stderr). Ctrl-C detaches and leaves the run alone: exit 130.
     Log lines go to stdout exactly as the trainer wrote them; dfo's own notes go to stderr.
-    With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run.
+    With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run;
+    without RUN or -j it is the newest run of any job there. Without RUN, the run taken (and its
+    job) is named on stderr first.
+
+    \b
+    Exit codes: 0 the run succeeded (or --no-follow); 2 bad usage or no such run; 4 host
+    unreachable, or the connection stayed lost for 300s; 5 the run failed, was stopped or
+    was lost; 130 Ctrl-C (the run goes on).
     """
     run = _given_run(run, "tail")
     if not (lines.isdigit() or (lines.startswith("+") and lines[1:].isdigit())):
@@ -260,16 +254,26 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
 
     def one(conn: Connection) -> steps.RunInfo:
         ws, job = _workspace(conn, loaded), loaded.job.name if loaded else None
-        current[conn.name] = run
+        current[conn.name] = the_run = run
+        if the_run is None:  # the newest run (of the job with -j): say which one is followed
+            newest = steps.status(conn, ws, job=job, limit=1)
+            if newest:
+                the_run = current[conn.name] = newest[0].id
+                among = f"of job {job}" if job else "of any job here (-j JOB: a job's newest)"
+                out.note(conn.name)(f"run {the_run} (job {newest[0].job or '?'}): the newest run {among}")
         if no_follow:
-            return steps.read_lines(conn, ws, run, start, out.line(conn.name), job=job)
-        return steps.follow(conn, ws, run=run, job=job, lines=start, on_line=out.line(conn.name),
+            return steps.read_lines(conn, ws, the_run, start, out.line(conn.name), job=job)
+        return steps.follow(conn, ws, run=the_run, job=job, lines=start, on_line=out.line(conn.name),
                             on_note=out.note(conn.name))
+
+    def resume(host: str) -> str:
+        the_run = current.get(host) or run
+        return dfo_cmd(ctx, "tail", host, *([the_run] if the_run else []), job_path=job_path)
 
     def detached() -> None:
         for host in sess.names:
-            err_console.print(f"dfo: detached from {host}; the run keeps running "
-                              f"(resume: {_dfo(ctx, 'tail', '-H', host, *([run] if run else []))})", highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running (resume: {safe(resume(host))})",
+                              highlight=False, soft_wrap=True)
 
     def on_sigint(signum: int, frame: object) -> None:
         # Ctrl-C while following: leave at once. Nothing on the node needs cleaning up, and closing
@@ -296,85 +300,26 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     code = 0
     for o in outcomes:
         if o.error is not None:
+            if isinstance(o.error, HostError) and "resume with:" in (o.error.hint or ""):
+                o.error.hint = f"the run is not affected; resume with: {resume(o.host)}"
             report_error(o.error)
             code = max(code, o.error.exit_code)
             continue
         info: steps.RunInfo = o.value
         if no_follow:
-            err_console.print(f"dfo: {o.host}: run {info.id}: {info.state}", highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: {safe(o.host)}: run {safe(info.id)}: {safe(info.state)}", highlight=False,
+                              soft_wrap=True)
             continue
-        style = STATE_STYLE.get(info.state, "white")
-        err_console.print(f"dfo: {o.host}: run {info.id} [{style}]{info.state}[/] ({_how(info)})", highlight=False, soft_wrap=True)
+        err_console.print(f"dfo: {safe(o.host)}: run {safe(info.id)} {state_markup(info.state)} ({how(info)})",
+                          highlight=False, soft_wrap=True)
         for ln in render_diagnoses(info.diagnoses()):
-            err_console.print(escape(ln), highlight=False, soft_wrap=True)
+            err_console.print(safe(ln), highlight=False, soft_wrap=True)
         if info.state != "succeeded":
             code = max(code, EXIT_RUN)
     return code
 
 
 # --------------------------------------------------------------------------- status
-
-
-def _when(iso: str | None) -> str:
-    return (iso or "-").replace("T", " ").replace("Z", "")
-
-
-def _duration(info: steps.RunInfo) -> str:
-    if not info.started_ts:
-        return "-"
-    end = info.ended_ts or (time.time() if info.state == "running" else None)
-    if end is None:
-        return "-"
-    s = int(max(0, end - info.started_ts))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
-
-
-def _exit(info: steps.RunInfo) -> str:
-    return info.signal or ("-" if info.exit_code is None else str(info.exit_code))
-
-
-def _render_status(host: str, runs: list[steps.RunInfo], detail: bool) -> None:
-    if not runs:
-        console.print(f"[bold]{host}[/]: no runs")
-        return
-    if detail:
-        r = runs[0]
-        t = Table(title=f"{host}: run {r.id}", title_justify="left", show_header=False, box=None, pad_edge=False)
-        t.add_column(style="bold")
-        t.add_column()
-        style = STATE_STYLE.get(r.state, "white")
-        for k, v in [("job", r.job), ("state", f"[{style}]{r.state}[/]" + (f" ({_how(r)})" if r.state == "lost" else "")),
-                     ("pid", str(r.pid)),
-                     ("started", _when(r.started)), ("ended", _when(r.ended)), ("duration", _duration(r)),
-                     ("exit", _exit(r)), ("command", escape(r.command or "")), ("workdir", escape(r.workdir or "")),
-                     ("run dir", escape(r.run_dir or ""))]:
-            t.add_row(k, v or "-")
-        guard = _guard_line(r)
-        if guard:
-            t.add_row("autotune", escape(guard.split(": ", 1)[1]))
-        console.print(t)
-        lines = r.tail or ([r.last_line] if r.last_line else [])
-        if lines:
-            console.print("last lines:" if len(lines) > 1 else "last line:")
-            for ln in lines[-RECAP_LINES:]:
-                console.print("  " + escape(ln), highlight=False, soft_wrap=True)
-        for ln in render_diagnoses(r.diagnoses()):
-            console.print(escape(ln), highlight=False, soft_wrap=True)
-        return
-    t = Table(title=f"{host}", title_justify="left", box=None, pad_edge=False, header_style="bold")
-    for col in ("id", "job", "state", "started", "duration", "exit"):
-        t.add_column(col, no_wrap=True)
-    t.add_column("last line", no_wrap=True, overflow="ellipsis")
-    for r in runs:
-        style = STATE_STYLE.get(r.state, "white")
-        t.add_row(r.id, r.job or "?", f"[{style}]{r.state}[/]", _when(r.started), _duration(r), _exit(r),
-                  escape((r.last_line or "")[:80]))
-    (console if console.is_terminal else Console(highlight=False, width=250)).print(t)  # a pipe gets whole ids
-    for r in runs:
-        ds = r.diagnoses()
-        if ds:
-            console.print(f"  {r.id}: {ds[0].title} (details: {_dfo(click.get_current_context(), 'status', '-H', host, r.id)})",
-                          highlight=False, soft_wrap=True)
 
 
 @click.command("status")
@@ -393,7 +338,12 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     stop); lost (its processes are gone and nothing recorded the end: the node rebooted or the
     processes were killed from outside; pids are checked together with their start times, so a
     reused pid never passes for the run). A failed or lost run gets a diagnosis. With RUN: that
-    run in detail, with its last lines. With -j: only that job's runs, in its workspace.
+    run in detail, with its last lines. With -j: only that job's runs, in its workspace; without
+    it, every job's runs in the host's workspace (the job column says whose).
+
+    \b
+    Exit codes: 0 listed (also when there are no runs); 2 bad usage or no such run;
+    4 host unreachable.
     """
     run = _given_run(run, "status")
     loaded = load_job(job_path) if job_path else None
@@ -406,7 +356,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     with sess:
         outcomes = sess.each(one)
     return emit(outcomes, as_json, lambda runs: {"runs": [r.brief_json() for r in runs]},
-                lambda host, runs: _render_status(host, runs, detail=run is not None))
+                lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
 
 
 # --------------------------------------------------------------------------- stop
@@ -425,7 +375,12 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
     """Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period.
 
     The run is recorded as stopped (dfo status shows it so). A run that has already ended is
-    left as it is (exit 0, says so). RUN is an id or its unique prefix.
+    left as it is (exit 0, says so). RUN is an id or its unique prefix. With -j, the run is
+    looked up in the job's workspace.
+
+    \b
+    Exit codes: 0 stopped (or had already ended); 2 bad usage or no such run; 4 host
+    unreachable.
     """
     run = _given_run(run, "stop") or ""
     loaded = load_job(job_path) if job_path else None
@@ -436,11 +391,11 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
 
     def render(host: str, r: steps.RunInfo) -> None:
         if r.stop and r.stop.startswith("nothing to stop"):
-            console.print(f"[bold]{host}[/]: run {r.id}: {escape(r.stop or '')}")
+            console.print(f"[bold]{safe(host)}[/]: run {safe(r.id)}: {safe(r.stop)}", soft_wrap=True)
             return
         left = f"; {len(r.group_left)} processes of its group remain!" if r.group_left else ""
-        console.print(f"[bold]{host}[/]: run {r.id} [{STATE_STYLE.get(r.state, 'white')}]{r.state}[/] "
-                      f"({escape(r.stop or '')}; {r.stop_seconds or 0:.1f}s){left}")
+        console.print(f"[bold]{safe(host)}[/]: run {safe(r.id)} {state_markup(r.state)} "
+                      f"({safe(r.stop)}; {r.stop_seconds or 0:.1f}s){left}", soft_wrap=True)
 
     with sess:
         outcomes = sess.each(one)

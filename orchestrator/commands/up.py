@@ -6,10 +6,11 @@ import time
 
 import click
 
-from ..cli_common import err_console, hosts_option, job_option, session
+from ..cli_common import err_console, hosts_option, job_option, safe, session
 from ..config import load_job
 from ..steps.runs import job_workspace, status
 from .data import stage_model, sync_data
+from .preflight import check_job
 from .provision import provision_cmd
 from .runs import launch_cmd, tail_cmd
 
@@ -41,11 +42,13 @@ def live_runs(ctx: click.Context, hosts: tuple[str, ...], job_path: str) -> dict
 def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: bool) -> int:
     """The whole job: provision, stage-model, sync-data, launch, tail.
 
-    Each step runs on every host given (in parallel) and the chain stops at the first step that
-    fails, with that step's exit code. Steps with nothing to do say so and cost little, so `up`
-    is safe to re-run: a job whose run is still alive is not launched twice; dfo follows it
-    instead. Sections the job does not have (model:, data:) are skipped. Ctrl-C while following
-    detaches and leaves the run alone.
+    The whole job is checked here first (hosts, package specs, model:/data: and their S3
+    credentials, run.upload files, run.command placeholders, secret variables): a mistake is
+    exit 2 before any step runs. Each step runs on every host given (in parallel) and the
+    chain stops at the first step that fails, with that step's exit code. Steps with nothing
+    to do say so and cost little, so `up` is safe to re-run: a job whose run is still alive is
+    not launched twice; dfo follows it instead. Sections the job does not have (model:, data:)
+    are skipped. Ctrl-C while following detaches and leaves the run alone.
 
     \b
     Exit codes: those of the step that stopped the chain (2 bad job file, 3 verification,
@@ -54,6 +57,7 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     """
     loaded = load_job(job_path)
     job = loaded.job
+    check_job(ctx, hosts, loaded)
     t0 = time.monotonic()
     plan: list[tuple[str, click.Command, dict[str, object]]] = [
         ("provision", provision_cmd, {"as_json": False, "clear_triton_cache": False}),
@@ -74,7 +78,7 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     running = live_runs(ctx, hosts, job_path)
     todo = tuple(h for h in session(ctx, hosts).names if h not in running)
     for host, run_id in running.items():
-        _banner("launch", f"{host}: run {run_id} of {job.name} is already running; following it")
+        _banner("launch", f"{safe(host)}: run {safe(run_id)} of {safe(job.name)} is already running; following it")
     if todo:
         _banner("launch")
         # no watch window here: tail below shows the run from its first line (each line once)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.markup import escape
 from rich.table import Table
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, session
+from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
 from ..steps.verify_env import VerifyReport, verify_env
+from .runs_view import dfo_cmd
 
 
 def _gib(n: int | None) -> str:
@@ -21,13 +21,13 @@ def _gib(n: int | None) -> str:
 
 def render(host: str, r: VerifyReport) -> None:
     f = r.facts
-    t = Table(title=f"{host}: {'ok' if r.ok else 'PROBLEMS'}", title_justify="left", show_header=False,
+    t = Table(title=f"{safe(host)}: {'ok' if r.ok else 'PROBLEMS'}", title_justify="left", show_header=False,
               box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()
 
     def row(key: str, value: str) -> None:
-        t.add_row(key, escape(value))  # what the node says is text, never markup
+        t.add_row(safe(key), safe(value))  # what the node says is text, never markup, never a control code
 
     row("os", f"{f.os}, kernel {f.kernel}, {f.arch}")
     row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
@@ -52,23 +52,23 @@ def render(host: str, r: VerifyReport) -> None:
     if r.packages:
         pt = Table("package", "installed", box=None, pad_edge=False, header_style="bold")
         for name, ver in r.packages.items():
-            pt.add_row(name, ver or "[red]not installed[/]")
+            pt.add_row(safe(name), safe(ver) if ver else "[red]not installed[/]")
         console.print(pt)
     if r.gpu:
         gt = Table("gpu", "name", "arch", "in build", "triton", "fla", "seconds", box=None, pad_edge=False,
                    header_style="bold")
         for g in r.gpu.get("gpus", []):
             fla = g.get("fla_ok")
-            gt.add_row(str(g.get("index")), str(g.get("name")), str(g.get("arch")),
+            gt.add_row(safe(g.get("index")), safe(g.get("name")), safe(g.get("arch")),
                        "yes" if g.get("arch_in_build") else "[red]NO[/]",
                        "ok" if g.get("triton_ok") else "[red]FAIL[/]",
                        "-" if fla is None else ("ok" if fla else "[red]FAIL[/]"), f"{g.get('seconds', 0):.2f}")
         console.print(gt)
     for w in r.warnings:
         extra = f" (override: {w.reason})" if w.reason and w.reason not in w.message else ""
-        console.print(f"[yellow]warning[/]: {escape(w.message + extra)}")
+        console.print(f"[yellow]warning[/]: {safe(w.message + extra)}", soft_wrap=True)
     for p in r.problems:
-        console.print(f"[red]problem[/]: {escape(p.message)}")
+        console.print(f"[red]problem[/]: {safe(p.message)}", soft_wrap=True)
 
 
 @click.command("verify-env")
@@ -86,12 +86,24 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
     job's venv interpreter (the one the trainer uses), checks them against the job's pins and
     checks that every installed distribution's own requirements hold, naming the pin that
     breaks (a job override with a reason turns a break into a warning). Also reports known-bad
-    combinations (GPU arch x package versions). Exit 3 when a problem remains, 4 when a host
-    cannot be reached; hosts are probed in parallel.
+    combinations (GPU arch x package versions). Hosts are probed in parallel.
+
+    \b
+    Exit codes: 0 no problem; 2 bad usage or job file; 3 a problem remains (a pin, a broken
+    requirement, a missing venv, a known-bad combination, a GPU check); 4 host unreachable.
     """
     job = load_job(job_path).job if job_path else None
+
+    def one(conn: Any) -> VerifyReport:
+        report = verify_env(conn, job, gpu=gpu)
+        for p in report.problems:
+            if p.kind == "venv_missing" and job_path:  # the command to run, as it works when pasted
+                p.message = (f"the job's interpreter {p.expected} does not exist; run: "
+                             f"{dfo_cmd(ctx, 'provision', conn.name, job_path=job_path)}")
+        return report
+
     with session(ctx, hosts) as s:
-        outcomes = s.each(lambda conn: verify_env(conn, job, gpu=gpu))
+        outcomes = s.each(one)
 
     def to_json(r: Any) -> dict[str, Any]:
         return r.to_json()
