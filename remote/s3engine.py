@@ -1,8 +1,9 @@
 """The download engine: many objects at once, and ranged parts of big objects at once (stdlib only).
 
 Every object is written under DEST/.dfo/tmp/ (a temp name on the destination's filesystem), its
-size and content checked (``remote.s3verify``), then renamed to its final name and recorded in
-the manifest's journal at once; a reader never sees a half-written file under its final name and
+size and content checked (``remote.s3verify``), then renamed to its final name (its folder opened
+without following symlinks, ``remote.s3dest.Tree``) and recorded in the manifest's journal, with
+the inode, ctime and owner it has there, at once; a reader never sees a half-written file under its final name and
 an interrupted run never loses a finished object. One worker thread = one keep-alive connection.
 """
 from __future__ import annotations
@@ -14,10 +15,13 @@ import os
 import threading
 
 from remote import s3verify
+from remote._proto import RemoteError
 from remote.s3client import S3Error, Stopped
+from remote.s3dest import identity
 
 RETRIES = 5
 READ_CHUNK = 4 << 20
+TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 class VerifyFailed(Exception):
@@ -89,14 +93,13 @@ class Engine:
         self.error = None
         self._err_lock = threading.Lock()
         self.open_objs = []
-        self._dirs = set()
 
     # ------------------------------------------------------------------ driving
     def run(self, objs):
         """Fetch ``objs``; big ones first (they are split into parts), then the rest, largest first."""
         n_tasks = 0
         for o in sorted(objs, key=lambda x: -x.size):
-            o.tmp = os.path.join(self.manifest.tmp_dir, hashlib.sha1(o.rel.encode("utf-8")).hexdigest()[:20])
+            o.tmp = hashlib.sha1(o.rel.encode("utf-8")).hexdigest()[:20]  # a name under manifest.tmp_fd
             if o.size >= self.threshold:
                 self.open_objs.append(o)
                 self.tasks.put((o, "prepare"), producer=True)
@@ -152,16 +155,12 @@ class Engine:
                 except OSError:
                     pass
                 o.fd = None
-        for name in os.listdir(self.manifest.tmp_dir):
-            try:
-                os.unlink(os.path.join(self.manifest.tmp_dir, name))
-            except OSError:
-                pass
+        self.manifest.clear_tmp()
 
     # ------------------------------------------------------------------ one object, one GET
     def _fetch_whole(self, obj):
         for attempt in range(RETRIES):
-            fd = os.open(obj.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(obj.tmp, TMP_FLAGS, 0o644, dir_fd=self.manifest.tmp_fd)
             counted = [0]
             chosen = []
 
@@ -212,7 +211,7 @@ class Engine:
             size = up * max(1, self.part_size // up)
         obj.part_size = size
         obj.parts = max(1, -(-obj.size // size))
-        obj.fd = os.open(obj.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        obj.fd = os.open(obj.tmp, TMP_FLAGS, 0o644, dir_fd=self.manifest.tmp_fd)
         self.tasks.produced([(obj, i) for i in range(obj.parts)])
 
     def _fetch_part(self, obj, i):
@@ -298,13 +297,12 @@ class Engine:
         finally:
             os.close(fd)
             obj.fd = None
-        dst = os.path.join(self.manifest.dest, obj.rel)
-        parent = os.path.dirname(dst)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
-        os.rename(obj.tmp, dst)  # keeps the mtime fstat saw: that is what the manifest records
-        self.manifest.record(obj.rel, obj.size, obj.etag, st.st_mtime_ns)
+        tree = self.manifest.tree
+        reldir, name = tree.split(obj.rel)
+        dfd = tree.dir(reldir, create=True)  # refuses a symlinked or foreign folder on the way
+        os.rename(obj.tmp, name, src_dir_fd=self.manifest.tmp_fd, dst_dir_fd=dfd)  # replaces a symlink, never follows
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)  # after the rename: its ctime is what stays
+        self.manifest.record(obj.rel, obj.size, obj.etag, st.st_mtime_ns, identity(st))
         self.progress.file_done(verifier.kind if verifier is not None else "size")
 
     def _retry(self, fn):
@@ -327,6 +325,8 @@ def describe_failure(exc, obj, dest, bucket, endpoint):
     where = "s3://%s/%s" % (bucket, obj.key) if obj is not None else "s3://%s" % bucket
     if isinstance(exc, S3Error):
         return exc.kind, exc.message, exc.hint
+    if isinstance(exc, RemoteError):  # the destination refused a folder (remote.s3dest)
+        return exc.kind, exc.message, exc.extra.get("hint")
     if isinstance(exc, VerifyFailed):
         return "verify", str(exc), "run the command again; if it repeats, the object on S3 is damaged"
     if isinstance(exc, OSError):

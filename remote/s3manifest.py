@@ -2,16 +2,27 @@
 
 Layout under the destination directory (hidden, so globs like ``*.bin`` do not see it)::
 
-    DEST/.dfo/manifest.json   {"version": 1, "source": "s3://b/p/", "files": {REL: {size, etag, mtime_ns}}}
+    DEST/.dfo/manifest.json   {"version": 1, "source": "s3://b/p/",
+                               "files": {REL: {size, etag, mtime_ns, ino, ctime_ns, uid}},
+                               "other": {REL: {...}}}   files dfo wrote from an earlier source
     DEST/.dfo/journal.jsonl   one line per file finished (or deleted) since manifest.json was written
     DEST/.dfo/tmp/            files being written (temp names); removed at the start of every run
     DEST/.dfo/lock            flock'ed by the one transfer that may write DEST; holds its pid
 
 A file counts as present when its manifest entry has the source's size and ETag AND the file on
-disk still has the recorded size and mtime (so a file edited or truncated on the node is fetched
-again). Each finished file is appended to the journal at once (one ``write`` of one line, which
-a killed process cannot tear); the journal is fsync'ed with every progress tick and folded into
-manifest.json (temp name, fsync, rename, fsync of the directory) at the end of a run, failed or not.
+disk is still the one dfo wrote: a regular file (not a symlink) with the recorded size, mtime,
+inode, ctime and owner (so a file edited, truncated or swapped on the node, even keeping its size
+and mtime, is fetched again, and reported in ``changed``). Entries written before inode/ctime/owner
+were recorded (same version, fewer fields) count when size and mtime match and the file is this
+user's and not writable by others; their identity is recorded then. An entry, with or without
+those fields, is what "written by dfo" means: ``--delete`` removes only such files, and only while
+they are still what dfo wrote.
+
+Each finished file is appended to the journal at once (one ``write`` of one line, which a killed
+process cannot tear); the journal is fsync'ed with every progress tick and folded into
+manifest.json (temp name, fsync, rename, fsync of the folder) at the end of a run, failed or not.
+Everything under ``.dfo/`` is opened relative to its folder fd, never through a symlink
+(``remote.s3dest``). Older dfo versions read this manifest too (they ignore the extra fields).
 """
 from __future__ import annotations
 
@@ -19,142 +30,198 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import time
 
-META_DIR = ".dfo"
+from remote import fsutil
+from remote.s3dest import META_DIR, Tree, _open_child, identity, open_dest
+
 VERSION = 1
+FILE_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+IDENTITY = ("ino", "ctime_ns", "uid")
 
 
-def write_atomic(path, data):
-    """Write bytes to ``path`` through a temp name in the same directory, durably."""
-    d = os.path.dirname(path) or "."
-    tmp = os.path.join(d, ".%s.%d.tmp" % (os.path.basename(path), os.getpid()))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def write_atomic(dir_fd, name, data):
+    """Write bytes to ``name`` under folder ``dir_fd`` through a temp name there, durably."""
+    fsutil.write_atomic(name, data, mode=0o600, dir_fd=dir_fd)
+
+
+def _read(dir_fd, name):
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(d)
-
-
-def fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
-        return
+        return None
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
     finally:
         os.close(fd)
 
 
 class Manifest:
-    def __init__(self, dest, source):
+    def __init__(self, dest, source, tree=None, field="dest"):
         self.dest = dest
         self.source = source
+        self.tree = tree
+        self.field = field
         self.meta = os.path.join(dest, META_DIR)
         self.tmp_dir = os.path.join(self.meta, "tmp")
         self.path = os.path.join(self.meta, "manifest.json")
         self.journal_path = os.path.join(self.meta, "journal.jsonl")
         self.files = {}
+        self.other = {}  # files dfo wrote from an earlier source: still dfo's, for --delete
+        self.changed = []  # files whose entry matched the source but which changed on the node
+        self.meta_fd = None
+        self.tmp_fd = None
         self._jfd = None
         self._lock_fd = None
         self._dirty = False
+        self._uid = os.geteuid()
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, lock_wait=15.0):
-        """Create the hidden directory, take the lock, load manifest + journal, clear stale temps."""
-        os.makedirs(self.tmp_dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.meta, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + lock_wait
-        while True:
+        """Open dest and .dfo/ (no symlinks), take the lock, load manifest + journal, clear stale temps."""
+        if self.tree is None:
+            self.tree = Tree(self.dest, open_dest(self.dest, self.field), self.field)
+        try:
+            self.meta_fd = _open_child(self.tree.fd, META_DIR, self.dest, self.field, 0o700, True, "the manifest")
+            self.tmp_fd = _open_child(self.meta_fd, "tmp", self.meta, self.field, 0o700, True, "the manifest")
+            self._lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o644, dir_fd=self.meta_fd)
+            deadline = time.monotonic() + lock_wait
+            while True:
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                        holder = os.pread(self._lock_fd, 32, 0).decode("ascii", "replace").strip()
+                        raise BlockingIOError(errno.EAGAIN, "another dfo transfer (pid %s) is writing to %s" % (
+                            holder or "?", self.dest)) from None
+                    time.sleep(0.1)
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, ("%d\n" % os.getpid()).encode("ascii"), 0)  # who holds it (tests, humans)
+            self._load()
+            self.clear_tmp()
+            self._jfd = os.open("journal.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND | FILE_FLAGS, 0o644,
+                                dir_fd=self.meta_fd)
+        except BaseException:
+            self._close_fds()
+            raise
+        return self
+
+    def clear_tmp(self):
+        for name in os.listdir(self.tmp_fd):
             try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                    holder = os.pread(self._lock_fd, 32, 0).decode("ascii", "replace").strip()
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
-                    raise BlockingIOError(errno.EAGAIN, "another dfo transfer (pid %s) is writing to %s" % (
-                        holder or "?", self.dest)) from None
-                time.sleep(0.1)
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, ("%d\n" % os.getpid()).encode("ascii"), 0)  # who holds it (tests, humans)
-        self._load()
-        for name in os.listdir(self.tmp_dir):
-            try:
-                os.unlink(os.path.join(self.tmp_dir, name))
+                os.unlink(name, dir_fd=self.tmp_fd)
             except OSError:
                 pass
-        self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        return self
 
     def _load(self):
         doc = None
         try:
-            with open(self.path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError):
+            doc = json.loads((_read(self.meta_fd, "manifest.json") or b"").decode("utf-8"))
+        except ValueError:
             doc = None
-        if isinstance(doc, dict) and doc.get("version") == VERSION and doc.get("source") == self.source:
-            self.files = dict(doc.get("files") or {})
-        try:
-            with open(self.journal_path, "rb") as f:
-                lines = f.read().split(b"\n")
-        except OSError:
-            lines = []
+        if isinstance(doc, dict) and doc.get("version") == VERSION:
+            self.other = dict(doc.get("other") or {})
+            if doc.get("source") == self.source:
+                self.files = dict(doc.get("files") or {})
+            else:
+                self.other.update(doc.get("files") or {})
+                self._dirty = bool(doc.get("files"))
+        for rel in self.files:
+            self.other.pop(rel, None)
+        lines = (_read(self.meta_fd, "journal.jsonl") or b"").split(b"\n")
         for line in lines:
             try:
                 rec = json.loads(line.decode("utf-8"))
             except ValueError:
                 continue  # a torn last line, or garbage: ignore it (the file is fetched again)
-            if not isinstance(rec, dict) or rec.get("source") != self.source:
+            if not isinstance(rec, dict) or "k" not in rec:
                 continue
+            rel = rec["k"]
             if rec.get("deleted"):
-                self.files.pop(rec.get("k"), None)
-            elif "k" in rec:
-                self.files[rec["k"]] = {"size": rec["size"], "etag": rec["etag"], "mtime_ns": rec["mtime_ns"]}
+                self.files.pop(rel, None)
+                self.other.pop(rel, None)
+            else:
+                ent = {k: rec[k] for k in ("size", "etag", "mtime_ns") + IDENTITY if k in rec}
+                if rec.get("source") == self.source:
+                    self.files[rel] = ent
+                    self.other.pop(rel, None)
+                else:
+                    self.other[rel] = ent
             self._dirty = True
+
+    def _close_fds(self):
+        for name in ("_jfd", "tmp_fd", "meta_fd", "_lock_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, None)
+        if self.tree is not None:
+            self.tree.close()
 
     def close(self):
         """Fold the journal into manifest.json and release the lock (safe to call twice)."""
         if self._lock_fd is None:
             return
         try:
-            if self._dirty or not os.path.exists(self.path):
+            if self._dirty or _read(self.meta_fd, "manifest.json") is None:
                 self.compact()
         finally:
-            if self._jfd is not None:
-                os.close(self._jfd)
-                self._jfd = None
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            self._close_fds()
 
     # ------------------------------------------------------------------ records
+    def _same(self, ent, st):
+        """True when ``st`` (an lstat) is the file ``ent`` recorded; legacy entries: size + mtime only."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size != ent.get("size") or st.st_mtime_ns != ent.get("mtime_ns"):
+            return False
+        if "ino" not in ent:
+            return st.st_uid == self._uid and not st.st_mode & 0o022
+        return all(getattr(st, "st_" + k) == ent.get(k) for k in IDENTITY)
+
     def present(self, rel, size, etag):
         """True when ``rel`` was fetched from an object of this size and ETag and is unchanged on disk."""
         ent = self.files.get(rel)
         if not ent or ent.get("size") != size or ent.get("etag") != etag:
             return False
-        try:
-            st = os.stat(os.path.join(self.dest, rel))
-        except OSError:
+        st = self.tree.lstat(rel)
+        if st is None:
             return False
-        return st.st_size == size and st.st_mtime_ns == ent.get("mtime_ns")
+        if not self._same(ent, st):
+            self.changed.append(rel)
+            return False
+        if "ino" not in ent:  # written before identities were recorded: record it now
+            self.record(rel, size, etag, st.st_mtime_ns, identity(st))
+        return True
 
-    def record(self, rel, size, etag, mtime_ns):
-        self.files[rel] = {"size": size, "etag": etag, "mtime_ns": mtime_ns}
-        self._append({"source": self.source, "k": rel, "size": size, "etag": etag, "mtime_ns": mtime_ns})
+    def written(self):
+        """Every file this dest's manifest says dfo wrote (this source's and earlier ones')."""
+        return set(self.files) | set(self.other)
+
+    def still_ours(self, rel, st):
+        """For --delete: ``st`` is still the file dfo wrote at ``rel``."""
+        ent = self.files.get(rel) or self.other.get(rel)
+        return ent is not None and self._same(ent, st)
+
+    def record(self, rel, size, etag, mtime_ns, ident=None):
+        ent = {"size": size, "etag": etag, "mtime_ns": mtime_ns}
+        ent.update(ident or {})
+        self.files[rel] = ent
+        self.other.pop(rel, None)
+        rec = {"source": self.source, "k": rel}
+        rec.update(ent)
+        self._append(rec)
 
     def forget(self, rel):
-        if self.files.pop(rel, None) is not None:
+        if self.files.pop(rel, None) is not None or self.other.pop(rel, None) is not None:
             self._append({"source": self.source, "k": rel, "deleted": True})
 
     def _append(self, rec):
@@ -171,12 +238,9 @@ class Manifest:
 
     def compact(self):
         doc = {"version": VERSION, "source": self.source, "files": self.files}
-        write_atomic(self.path, json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
+        if self.other:
+            doc["other"] = self.other
+        write_atomic(self.meta_fd, "manifest.json", json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
         if self._jfd is not None:
             os.ftruncate(self._jfd, 0)
-        else:
-            try:
-                os.truncate(self.journal_path, 0)
-            except OSError:
-                pass
         self._dirty = False

@@ -9,21 +9,35 @@ Request: the ``remote.s3sync`` request plus ``margin_pct``; ``source`` is one of
 * ``hf://org/name[@revision]``  through huggingface_hub (run by the job's venv python; it must be
   importable there), with ``hf_token`` from the request; sizes checked against the Hub's listing.
 
-Always: the destination filesystem's free space is checked against what is missing plus
-``margin_pct`` before any byte moves (RemoteError "verify" with the numbers), and a model whose
-manifest matches is left alone (status "no change").
+Always: the destination is checked first (``remote.s3dest``: exit 2 for /, $HOME, the workspace
+root, a dest others own or may write, symlinks inside it ...), the destination filesystem's free
+space is checked against what is missing plus ``margin_pct`` before any byte moves (RemoteError
+"verify" with the numbers), and a model whose manifest matches (files still the ones dfo wrote:
+size, mtime, inode, ctime, owner) is left alone (status "no change"); a file changed on the node
+is fetched again and named in ``changed``.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from remote._proto import RemoteError, main
-from remote.s3sync import Progress, Signals, check_space, open_manifest, resolve_dest, sync
+from remote.s3dest import identity
+from remote.s3sync import (
+    Progress,
+    Signals,
+    check_space,
+    checked_dest,
+    open_manifest,
+    resolve_dest,
+    summary_names,
+    sync,
+)
 
 CHUNK = 8 << 20
 
@@ -78,7 +92,7 @@ def _crc_file(fd, size):
 def copy_local(req):
     t0 = time.monotonic()
     src = resolve_dest(req["source"][7:] if req["source"].startswith("file://") else req["source"], "model.source")
-    dest = resolve_dest(req.get("dest"), "model.dest")
+    shown, dest = checked_dest(req, "model")
     if not os.path.exists(src):
         raise RemoteError("verify", "model.source %s does not exist on the node" % src,
                           hint="copy the model there first, or use an s3:// or hf:// source")
@@ -87,15 +101,17 @@ def copy_local(req):
     base, files = _walk(src)
     if not files:
         raise RemoteError("verify", "model.source %s holds no files" % src)
-    manifest = open_manifest(dest, "file://" + src)
+    manifest = open_manifest(dest, "file://" + src, "model.dest")
     stop = threading.Event()
     try:
+        for f in files:
+            manifest.tree.check(f[0])  # a symlinked or foreign folder on the way: refused before any change
         todo = [f for f in files if not manifest.present(f[0], f[1], "%d-%d" % (f[1], f[2]))]
         need = sum(f[1] for f in todo)
         if todo:
-            check_space(dest, need, req.get("margin_pct") or 0, src)
+            check_space(shown, need, req.get("margin_pct") or 0, src)
         progress = Progress(len(todo), need, stop)
-        progress.emit({"type": "plan", "source": "file://" + src, "dest": dest, "files_total": len(files),
+        progress.emit({"type": "plan", "source": "file://" + src, "dest": shown, "files_total": len(files),
                        "bytes_total": sum(f[1] for f in files), "to_fetch": len(todo), "bytes_to_fetch": need,
                        "skipped": len(files) - len(todo)})
         errors = []
@@ -104,11 +120,10 @@ def copy_local(req):
             if stop.is_set():
                 return
             rel, size, mtime = item
-            tmp = os.path.join(manifest.tmp_dir, hashlib.sha1(rel.encode("utf-8")).hexdigest()[:20])
+            tmp = hashlib.sha1(rel.encode("utf-8")).hexdigest()[:20]
             try:
-                _copy_one(os.path.join(base, rel), tmp, os.path.join(dest, rel), size, progress, stop)
-                st = os.stat(os.path.join(dest, rel))
-                manifest.record(rel, size, "%d-%d" % (size, mtime), st.st_mtime_ns)
+                st = _copy_one(os.path.join(base, rel), manifest, tmp, rel, size, progress, stop)
+                manifest.record(rel, size, "%d-%d" % (size, mtime), st.st_mtime_ns, identity(st))
                 progress.file_done("crc32")
             except Exception as exc:  # noqa: BLE001 - the first failure stops the copy
                 errors.append((rel, exc))
@@ -119,14 +134,13 @@ def copy_local(req):
                 progress.start(hooks=[manifest.sync])
                 list(ex.map(one, todo))
                 progress.finish()
-            for name in os.listdir(manifest.tmp_dir):
-                os.unlink(os.path.join(manifest.tmp_dir, name))
+            manifest.clear_tmp()
             if errors:
                 rel, exc = errors[0]
                 if isinstance(exc, RemoteError):
                     raise exc
                 raise RemoteError("verify", "copying %s to %s failed: %s" % (
-                    os.path.join(base, rel), dest, getattr(exc, "strerror", None) or exc),
+                    os.path.join(base, rel), shown, getattr(exc, "strerror", None) or exc),
                     hint="finished files are kept; run stage-model again after fixing the cause")
             if sigs.got or progress.broken:
                 raise RemoteError("interrupted", "interrupted after %d of %d files; the next run resumes"
@@ -137,17 +151,21 @@ def copy_local(req):
         except OSError:
             pass
     seconds = time.monotonic() - t0
-    return {"source": "file://" + src, "dest": dest, "fetched": progress.files, "skipped": len(files) - len(todo),
-            "deleted": 0, "bytes": progress.bytes, "files_total": len(files),
-            "bytes_total": sum(f[1] for f in files), "seconds": round(seconds, 3),
-            "mb_per_s": round(progress.bytes / 1e6 / seconds, 1) if seconds > 0 else 0.0,
-            "verified": progress.verified}
+    out = {"source": "file://" + src, "dest": shown, "fetched": progress.files, "skipped": len(files) - len(todo),
+           "deleted": 0, "bytes": progress.bytes, "files_total": len(files),
+           "bytes_total": sum(f[1] for f in files), "seconds": round(seconds, 3),
+           "mb_per_s": round(progress.bytes / 1e6 / seconds, 1) if seconds > 0 else 0.0,
+           "verified": progress.verified}
+    return summary_names(out, "changed", manifest.changed)
 
 
-def _copy_one(src, tmp, dst, size, progress, stop):
+def _copy_one(src, manifest, tmp, rel, size, progress, stop):
+    """Copy ``src`` to temp name ``tmp`` under .dfo/tmp/, check it, rename it to ``rel`` (its folder opened
+    without following symlinks); the lstat of the result."""
+    dst = os.path.join(manifest.dest, rel)
     fdi = os.open(src, os.O_RDONLY)
     try:
-        fdo = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fdo = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=manifest.tmp_fd)
         try:
             crc, off = 0, 0
             while True:
@@ -172,10 +190,10 @@ def _copy_one(src, tmp, dst, size, progress, stop):
             os.close(fdo)
     finally:
         os.close(fdi)
-    parent = os.path.dirname(dst)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    os.rename(tmp, dst)
+    reldir, name = manifest.tree.split(rel)
+    dfd = manifest.tree.dir(reldir, create=True)
+    os.rename(tmp, name, src_dir_fd=manifest.tmp_fd, dst_dir_fd=dfd)
+    return os.stat(name, dir_fd=dfd, follow_symlinks=False)
 
 
 # --------------------------------------------------------------------------- Hugging Face Hub
@@ -198,7 +216,7 @@ def stage_hf(req):
     repo, _, revision = spec.partition("@")
     if repo.count("/") != 1:
         raise RemoteError("config", "model.source hf://%s: expected hf://org/name[@revision]" % spec)
-    dest = resolve_dest(req.get("dest"), "model.dest")
+    shown, dest = checked_dest(req, "model")
     try:
         from huggingface_hub import HfApi, snapshot_download
     except ImportError:
@@ -213,15 +231,17 @@ def stage_hf(req):
                                "reach the Hub") from None
     files = [(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
     source = "hf://%s@%s" % (repo, info.sha)
-    manifest = open_manifest(dest, source)
+    manifest = open_manifest(dest, source, "model.dest")
     try:
+        for f in files:
+            manifest.tree.check(f[0])
         todo = [f for f in files if not manifest.present(f[0], f[1], info.sha)]
         need = sum(f[1] for f in todo)
         if todo:
-            check_space(dest, need, req.get("margin_pct") or 0, "hf://" + spec)
+            check_space(shown, need, req.get("margin_pct") or 0, "hf://" + spec)
             stop = threading.Event()
             progress = Progress(len(todo), need, stop)
-            progress.emit({"type": "plan", "source": source, "dest": dest, "files_total": len(files),
+            progress.emit({"type": "plan", "source": source, "dest": shown, "files_total": len(files),
                            "bytes_total": sum(f[1] for f in files), "to_fetch": len(todo), "bytes_to_fetch": need,
                            "skipped": len(files) - len(todo)})
             before = _dir_bytes(dest)
@@ -235,11 +255,11 @@ def stage_hf(req):
             finally:
                 progress.finish()
             for rel, size in todo:
-                path = os.path.join(dest, rel)
-                got = os.path.getsize(path) if os.path.exists(path) else -1
+                st = manifest.tree.lstat(rel)  # written by huggingface_hub: checked without following symlinks
+                got = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else -1
                 if got != size:
                     raise RemoteError("verify", "hf://%s: %s has %d bytes, the Hub lists %d" % (spec, rel, got, size))
-                manifest.record(rel, size, info.sha, os.stat(path).st_mtime_ns)
+                manifest.record(rel, size, info.sha, st.st_mtime_ns, identity(st))
     finally:
         try:
             manifest.close()
@@ -247,10 +267,11 @@ def stage_hf(req):
             pass
     seconds = time.monotonic() - t0
     fetched_bytes = sum(f[1] for f in todo)
-    return {"source": source, "dest": dest, "fetched": len(todo), "skipped": len(files) - len(todo), "deleted": 0,
-            "bytes": fetched_bytes, "files_total": len(files), "bytes_total": sum(f[1] for f in files),
-            "seconds": round(seconds, 3), "mb_per_s": round(fetched_bytes / 1e6 / seconds, 1) if seconds else 0.0,
-            "verified": {"size": len(todo)} if todo else {}}
+    out = {"source": source, "dest": shown, "fetched": len(todo), "skipped": len(files) - len(todo), "deleted": 0,
+           "bytes": fetched_bytes, "files_total": len(files), "bytes_total": sum(f[1] for f in files),
+           "seconds": round(seconds, 3), "mb_per_s": round(fetched_bytes / 1e6 / seconds, 1) if seconds else 0.0,
+           "verified": {"size": len(todo)} if todo else {}}
+    return summary_names(out, "changed", manifest.changed)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@ Request (JSON on stdin; secrets only here, never in argv or the environment)::
      "credentials": {"access_key", "secret_key", "session_token"} | null,
      "credentials_mode": "controller" | "node", "profile": null,
      "concurrency": 32, "part_size_mb": 16, "multipart_threshold_mb": 64,
-     "check_space": true, "margin_pct": 0, "what": "data"}
+     "check_space": true, "margin_pct": 0, "what": "data",
+     "workspace": "/workspace", "venv": "/root/venv"}
 
-Steps: list the prefix (every page) -> compare with DEST/.dfo/manifest.json (size + ETag, and
-the file unchanged on disk) -> check the destination filesystem has room for what is missing
+Steps: check the destination (``remote.s3dest``: refuses /, $HOME, the workspace root, a dest
+holding the venv or another dest, one others own or may write, symlinks inside it; exit 2) ->
+list the prefix (every page) -> compare with DEST/.dfo/manifest.json (size + ETag, and the file
+on disk still the one dfo wrote) -> check the destination filesystem has room for what is missing
 (plus ``margin_pct``) before any byte moves -> fetch the rest in parallel (``remote.s3engine``)
--> with ``delete``, remove local files the source no longer has. Progress events every 0.5 s:
+-> with ``delete``, remove the files dfo wrote that the source no longer has (never a file dfo
+did not write, nor one changed on the node since: those are reported as ``kept``). Progress events every 0.5 s:
 ``{"type": "progress", "bytes", "bytes_total", "files", "files_total", "rate"}``. The result is
-the summary (fetched, skipped, deleted, bytes, seconds, mb_per_s, ...). Failures are
+the summary (fetched, skipped, deleted, bytes, seconds, mb_per_s, changed, kept, ...). Failures are
 RemoteError "verify" (S3 said no, a check failed, the disk is full or read-only) or "unreachable"
 (no answer from the endpoint), naming the object and the endpoint; the next run resumes.
 """
@@ -27,12 +31,14 @@ import time
 
 from remote._proto import RemoteError, emit_event, main
 from remote.s3client import S3Client, S3Error, split_s3_url
+from remote.s3dest import META_DIR, Tree, check_dest, open_dest
 from remote.s3engine import Engine, Obj, describe_failure, free_bytes, human
-from remote.s3manifest import META_DIR, Manifest
+from remote.s3manifest import Manifest
 from remote.s3sig import node_credentials
 
 TICK_S = 0.5
 MIB = 1 << 20
+NAMES_SHOWN = 20  # changed_files / kept_files: the first names (sorted), the counts are complete
 
 
 class Progress:
@@ -133,15 +139,36 @@ def resolve_dest(dest, field):
     return os.path.normpath(dest)
 
 
-def open_manifest(dest, source):
+def checked_dest(req, what):
+    """The request's dest, normalised, and its real path once ``remote.s3dest`` accepts it (else exit 2)."""
+    field = "%s.dest" % what
+    dest = resolve_dest(req.get("dest"), field)
+    return dest, check_dest(dest, field, req.get("workspace"), req.get("venv"))
+
+
+def open_manifest(dest, source, field="dest"):
+    """Create/open dest (0755, no symlinks), its .dfo/ (0700), take the lock, load the manifest."""
     try:
-        os.makedirs(dest, exist_ok=True)
-        return Manifest(dest, source).open()
+        tree = Tree(dest, open_dest(dest, field), field)
+    except RemoteError:
+        raise
+    except OSError as exc:
+        raise RemoteError("verify", "destination %s is not writable: %s" % (dest, exc.strerror or exc),
+                          hint="choose a destination the SSH user may write, or fix its permissions") from None
+    try:
+        return Manifest(dest, source, tree, field).open()
     except BlockingIOError as exc:
         raise RemoteError("verify", str(exc.strerror or exc), hint="wait for it to end, or stop it") from None
     except OSError as exc:
         raise RemoteError("verify", "destination %s is not writable: %s" % (dest, exc.strerror or exc),
                           hint="choose a destination the SSH user may write, or fix its permissions") from None
+
+
+def summary_names(out, key, names):
+    """``key``: how many; ``key_files``: the first names, sorted."""
+    out[key] = len(names)
+    out[key + "_files"] = sorted(names)[:NAMES_SHOWN]
+    return out
 
 
 def check_space(dest, need, margin_pct, what):
@@ -183,7 +210,7 @@ def list_source(client, bucket, prefix):
                 continue  # a "directory" marker
             rel = key[len(prefix):]
             parts = rel.split("/")
-            if any(p in ("", ".", "..") for p in parts) or parts[0] == META_DIR or "\0" in rel:
+            if any(p in ("", ".", "..", META_DIR) for p in parts) or "\0" in rel:
                 raise RemoteError("verify", "s3://%s/%s: this key cannot be a file under the destination" % (
                     bucket, key), hint="rename the object, or sync a narrower prefix")
             objs.append(Obj(key, rel, item["size"], item["etag"]))
@@ -192,41 +219,40 @@ def list_source(client, bucket, prefix):
     return objs
 
 
-def local_files(dest):
-    """Relative paths of every file under dest, except dfo's own directory."""
-    out = []
-    for root, dirs, files in os.walk(dest):
-        if root == dest and META_DIR in dirs:
-            dirs.remove(META_DIR)
-        for name in files:
-            out.append(os.path.relpath(os.path.join(root, name), dest))
-    return out
-
-
-def delete_extra(dest, manifest, keep):
-    deleted = 0
-    for rel in local_files(dest):
-        if rel in keep:
+def delete_extra(manifest, keep):
+    """Remove the files this dest's manifest says dfo wrote and the source no longer has, while they are still
+    what dfo wrote; then the folders that became empty. Never follows a symlink. Returns (deleted, kept)."""
+    tree = manifest.tree
+    deleted, kept, emptied = 0, [], set()
+    for rel in sorted(manifest.written() - keep):
+        st = tree.lstat(rel)
+        if st is None:
+            manifest.forget(rel)
             continue
-        path = os.path.join(dest, rel)
+        if not manifest.still_ours(rel, st):
+            kept.append(rel)  # changed or replaced on the node since dfo wrote it: no longer dfo's
+            manifest.forget(rel)
+            continue
+        reldir, name = tree.split(rel)
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=tree.dir(reldir))
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise RemoteError("verify", "cannot delete %s: %s" % (path, exc.strerror)) from None
+            raise RemoteError("verify", "cannot delete %s: %s" % (os.path.join(manifest.dest, rel), exc.strerror)) from None
         manifest.forget(rel)
         deleted += 1
-        parent = os.path.dirname(path)
-        while parent != dest and parent.startswith(dest + os.sep):
+        emptied.add(reldir)
+    for reldir in sorted(emptied, key=lambda d: -d.count("/")):
+        while reldir:
+            parent, name = tree.split(reldir)
+            tree.drop(reldir)
             try:
-                os.rmdir(parent)  # only when it became empty
+                os.rmdir(name, dir_fd=tree.dir(parent))  # only when it became empty
             except OSError:
                 break
-            parent = os.path.dirname(parent)
-    for rel in [r for r in manifest.files if r not in keep]:
-        manifest.forget(rel)
-    return deleted
+            reldir = parent
+    return deleted, kept
 
 
 def sync(req):
@@ -240,21 +266,25 @@ def sync(req):
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     source = "s3://%s/%s" % (bucket, prefix)
-    dest = resolve_dest(req.get("dest"), "%s.dest" % what)
+    shown, dest = checked_dest(req, what)
     client = make_client(req)
     objs = list_source(client, bucket, prefix)
     if not objs:
         raise RemoteError("verify", "no objects under %s (%s)" % (source, client.endpoint),
                           hint="check %s.source in the job file; nothing was changed on the node" % what)
-    manifest = open_manifest(dest, source)
+    manifest = open_manifest(dest, source, "%s.dest" % what)
     stop = threading.Event()
+    kept = []
     try:
+        keep = {o.rel for o in objs}
+        for rel in sorted(keep | (manifest.written() - keep if req.get("delete") else set())):
+            manifest.tree.check(rel)  # a symlinked or foreign folder on the way: refused before any change
         todo = [o for o in objs if not manifest.present(o.rel, o.size, o.etag)]
         need = sum(o.size for o in todo)
         if req.get("check_space", True) and todo:
-            check_space(dest, need, req.get("margin_pct") or 0, source)
+            check_space(shown, need, req.get("margin_pct") or 0, source)
         progress = Progress(len(todo), need, stop)
-        progress.emit({"type": "plan", "source": source, "dest": dest, "files_total": len(objs),
+        progress.emit({"type": "plan", "source": source, "dest": shown, "files_total": len(objs),
                        "bytes_total": sum(o.size for o in objs), "to_fetch": len(todo), "bytes_to_fetch": need,
                        "skipped": len(objs) - len(todo)})
         error, interrupted = None, None
@@ -268,23 +298,27 @@ def sync(req):
                 progress.finish()
                 interrupted = sigs.got
         if error is not None:
-            kind, message, hint = describe_failure(error[0], error[1], dest, bucket, client.endpoint)
+            kind, message, hint = describe_failure(error[0], error[1], shown, bucket, client.endpoint)
             raise RemoteError(kind, message, hint=hint, fetched=progress.files, object=error[1].key)
         if interrupted or progress.broken:
             raise RemoteError("interrupted", "interrupted by %s after %d of %d files; the next run resumes"
                               % (interrupted or "a closed connection", progress.files, len(todo)))
-        deleted = delete_extra(dest, manifest, {o.rel for o in objs}) if req.get("delete") else 0
+        deleted = 0
+        if req.get("delete"):
+            deleted, kept = delete_extra(manifest, keep)
     finally:
         try:
             manifest.close()
         except OSError:
             pass  # the journal stays; the next run folds it in
     seconds = time.monotonic() - t0
-    return {"source": source, "dest": dest, "endpoint": client.endpoint, "fetched": progress.files,
-            "skipped": len(objs) - len(todo), "deleted": deleted, "bytes": progress.bytes,
-            "files_total": len(objs), "bytes_total": sum(o.size for o in objs), "seconds": round(seconds, 3),
-            "mb_per_s": round(progress.bytes / 1e6 / seconds, 1) if seconds > 0 else 0.0,
-            "verified": progress.verified, "free_after": free_bytes(dest)}
+    out = {"source": source, "dest": shown, "endpoint": client.endpoint, "fetched": progress.files,
+           "skipped": len(objs) - len(todo), "deleted": deleted, "bytes": progress.bytes,
+           "files_total": len(objs), "bytes_total": sum(o.size for o in objs), "seconds": round(seconds, 3),
+           "mb_per_s": round(progress.bytes / 1e6 / seconds, 1) if seconds > 0 else 0.0,
+           "verified": progress.verified, "free_after": free_bytes(dest)}
+    summary_names(out, "changed", manifest.changed)
+    return summary_names(out, "kept", kept)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ def test_changes_on_both_sides_and_delete(xfer: Xfer) -> None:  # noqa: F811
     assert (doc["fetched"], doc["skipped"], doc["deleted"]) == (2, 7, 0)  # f1 changed on S3, f3 damaged here
     assert "f2.bin" in xfer.digests(dest)  # no --delete: kept
     r, doc = xfer.run_json("sync-data", job, "--delete")
-    assert (doc["fetched"], doc["deleted"]) == (0, 2)
+    assert (doc["fetched"], doc["deleted"]) == (0, 1)  # f2.bin; local-only.txt is not dfo's: it stays
     expected = {k: v for k, v in ds.digests().items() if k != "f2.bin"}
     expected["f1.bin"] = __import__("hashlib").sha256(b"new content").hexdigest()
+    expected["local-only.txt"] = __import__("hashlib").sha256(b"stray\n").hexdigest()
     assert xfer.digests(dest) == expected
     assert "manifest.json" in xfer.sh(f"ls {dest}/.dfo").stdout
 

@@ -24,6 +24,7 @@ from ..agent import run_module
 from ..config import LoadedJob, S3Config
 from ..connection import Connection
 from ..errors import ConfigError, HostError, RemoteCommandError
+from .runs import job_workspace
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
 What = Literal["data", "model"]
@@ -44,12 +45,17 @@ class TransferReport(BaseModel):
     files_total: int
     bytes_total: int
     verified: dict[str, int] = {}
+    changed: int = 0  # fetched again: changed on the node since dfo wrote them (kept size and mtime or not)
+    changed_files: list[str] = []  # the first names, sorted
+    kept: int = 0  # --delete left them: gone from the source, but changed on the node since dfo wrote them
+    kept_files: list[str] = []
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": True, "status": self.status, "fetched": self.fetched, "skipped": self.skipped,
                 "deleted": self.deleted, "bytes": self.bytes, "seconds": self.seconds, "mb_per_s": self.mb_per_s,
                 "dest": self.dest, "source": self.source, "files_total": self.files_total,
-                "bytes_total": self.bytes_total, "verified": self.verified}
+                "bytes_total": self.bytes_total, "verified": self.verified, "changed": self.changed,
+                "changed_files": self.changed_files, "kept": self.kept, "kept_files": self.kept_files}
 
 
 # --------------------------------------------------------------------------- the job
@@ -84,14 +90,11 @@ def validate(loaded: LoadedJob, what: What) -> None:
 
 
 def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None] | None:
-    """AWS credentials from the controller (botocore's chain), or None with ``s3.credentials: node``
-    (the node's own) or ``anonymous`` (unsigned requests, for a public bucket).
+    """AWS credentials from the controller (botocore's chain), or None: node's own, or anonymous.
 
     The environment comes first in botocore's chain, so with AWS_ACCESS_KEY_ID and
-    AWS_SECRET_ACCESS_KEY set (and no s3.profile) they are used without importing botocore.
-    Finding none is a ConfigError (exit 2) before any host is touched: an unsigned request to a
-    private bucket would only come back as AccessDenied from the node, after the work before it."""
-    if s3.credentials != "controller":
+    AWS_SECRET_ACCESS_KEY set (and no s3.profile) they are used without importing botocore."""
+    if s3.credentials == "node":
         return None
     env = os.environ
     if not s3.profile and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
@@ -110,10 +113,7 @@ def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None
         raise ConfigError(f"{job_path}: cannot resolve S3 credentials: {type(exc).__name__}",
                           hint="check ~/.aws/config and the AWS_* variables") from None
     if frozen is None or not frozen.access_key:
-        where = f"profile {s3.profile!r} in ~/.aws" if s3.profile else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws"
-        raise ConfigError(f"{job_path}: no S3 credentials found on this machine ({where}, SSO, ...)",
-                          hint="export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set s3.profile; "
-                               "s3.credentials: node uses the node's own; s3.credentials: anonymous for a public bucket")
+        return None
     return {"access_key": frozen.access_key, "secret_key": frozen.secret_key, "session_token": frozen.token}
 
 
@@ -158,6 +158,8 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
     module = "remote.s3sync" if what == "data" else "remote.s3stage"
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
+    # what the node refuses to sync into (remote/s3dest.py): the workspace root, a dest holding the venv
+    request = dict(request, workspace=job_workspace(loaded.job, conn.host.workspace), venv=loaded.job.venv)
     try:
         data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
     except HostError as exc:
@@ -175,7 +177,8 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     status = data.get("status") or ("no change" if not data["fetched"] and not data.get("deleted") else "done")
     return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
         "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
-        "bytes_total")}, verified=data.get("verified") or {})
+        "bytes_total")}, verified=data.get("verified") or {}, changed=data.get("changed") or 0,
+        changed_files=data.get("changed_files") or [], kept=data.get("kept") or 0, kept_files=data.get("kept_files") or [])
 
 
 # --------------------------------------------------------------------------- progress on a terminal
