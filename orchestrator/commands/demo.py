@@ -49,13 +49,14 @@ def _upload_wheels(tb: object, node: object, wheels: Path) -> None:
         raise HostError(f"could not copy the demo's wheels to the node: {r.stderr.decode()[-300:]}")
 
 
-def _size(folder: Path) -> int:
-    """Disk space used under folder, like du: sparse files count what they hold, hard links once
-    (uv links the node's venv to its cache), symlinks are not followed."""
-    total = 0
+def _size(folder: Path) -> tuple[int, int]:
+    """(disk space used, files) under folder, like du: sparse files count what they hold, hard links
+    once (uv links the node's venv to its cache), symlinks are not followed."""
+    total = count = 0
     seen: set[tuple[int, int]] = set()
     for dirpath, _dirs, files in os.walk(folder):
         for f in files:
+            count += 1
             try:
                 st = os.lstat(os.path.join(dirpath, f))
             except OSError:
@@ -65,14 +66,16 @@ def _size(folder: Path) -> int:
                     continue
                 seen.add((st.st_dev, st.st_ino))
             total += st.st_blocks * 512
-    return total
+    return total, count
 
 
 def _clean_up(wd: Path, made_here: bool, why: str) -> None:
     """Remove the demo's folder if the demo made it; otherwise say what stays there and how to remove it."""
-    size = human_bytes(_size(wd)) if wd.is_dir() else "0 B"
+    used, files = _size(wd) if wd.is_dir() else (0, 0)
+    size = human_bytes(used)
     rm = escape(f"rm -rf {shlex.quote(str(wd))}")
     if made_here:
+        _say(f"removing {escape(str(wd))} ({size} in {files} files; on a busy disk this takes a while)")
         shutil.rmtree(wd, ignore_errors=True)
         if not wd.exists():
             _say(f"removed {escape(str(wd))} ({size}: the node's files and venv, the S3 data, the testbed's keys)")
