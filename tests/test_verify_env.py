@@ -60,7 +60,8 @@ def test_job_without_venv_is_a_problem(testbed, tmp_path: Path) -> None:  # type
     r = dfo(inv, "verify-env", "-H", testbed.nodes[0].name, "-j", str(job), "--json")
     assert r.returncode == 3, r.stderr
     probs = json.loads(r.stdout)["hosts"][testbed.nodes[0].name]["problems"]
-    assert probs[0]["kind"] == "venv_missing" and "dfo provision" in probs[0]["message"]
+    assert probs[0]["kind"] == "venv_missing"
+    assert f"dfo -i {inv} provision -H {testbed.nodes[0].name} -j {job}" in probs[0]["message"]  # as given
 
 
 def test_changed_host_key_is_refused_and_nothing_runs(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
