@@ -327,6 +327,8 @@ def test_printed_commands_work_when_pasted(henv: Env) -> None:
     assert set(hints) == {"follow", "status", "stop"}, r.stdout
     for cmd in hints.values():
         assert f"-i {e.inv}" in cmd and f"-j {job}" in cmd, cmd
+    again = e.cli("launch", "-H", node, "-j", str(job))  # refused: the job runs; the hint reaches that run
+    assert again.returncode == 2 and f"-i {e.inv} tail -H {node} -j {job}" in again.stderr, again.stderr
     st = e.cli(*pasted(hints["status"]))
     assert st.returncode == 0 and "running" in st.stdout, st.stdout + st.stderr
     follow = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *pasted(hints["follow"])],

@@ -179,8 +179,13 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
         final = info
         if window > 0:
             # a dead link ends the watch within ~30 s (exit 4, the run keeps going), not after tail's 300 s
-            final = steps.follow(conn, _workspace(conn, loaded), run=info.id, lines="+1", max_seconds=window,
-                                 on_line=on_line, on_note=lines.note(conn.name), reconnect_budget_s=10)
+            try:
+                final = steps.follow(conn, _workspace(conn, loaded), run=info.id, lines="+1", max_seconds=window,
+                                     on_line=on_line, on_note=lines.note(conn.name), reconnect_budget_s=10)
+            except HostError as exc:
+                if "resume with:" in (exc.hint or ""):
+                    exc.hint = f"the run is not affected; resume with: {cmd('tail', conn.name, info.id)}"
+                raise
         return Launched(info, final, list(seen), time.monotonic() - t0)
 
     def render(host: str, r: Launched) -> None:
