@@ -16,7 +16,7 @@ import threading
 
 from remote import s3verify
 from remote._proto import RemoteError
-from remote.s3client import S3Error, Stopped
+from remote.s3client import RangeIgnored, S3Error, Stopped
 from remote.s3dest import identity
 
 RETRIES = 5
@@ -44,6 +44,9 @@ class Obj:
         self.hashing = False
         self.finished = False
         self.verifier = None
+        self.whole = False  # the server ignored Range: the object is fetched in one GET instead
+        self.inflight = 0  # part tasks running now
+        self.refetching = False
 
 
 class Tasks:
@@ -158,13 +161,19 @@ class Engine:
         self.manifest.clear_tmp()
 
     # ------------------------------------------------------------------ one object, one GET
-    def _fetch_whole(self, obj):
+    def _fetch_whole(self, obj, verify_as=None):
+        """One GET of the whole object. ``verify_as() -> (verifier, hasher)`` replaces the verifier chosen
+        from the response headers (a ranged object fetched whole: the check its HEAD chose)."""
         for attempt in range(RETRIES):
             fd = os.open(obj.tmp, TMP_FLAGS, 0o644, dir_fd=self.manifest.tmp_fd)
             counted = [0]
             chosen = []
 
             def on_headers(headers, chosen=chosen):
+                if verify_as is not None:
+                    v, hasher = verify_as()
+                    chosen.append(v)
+                    return hasher
                 v = s3verify.for_whole_get(obj.etag, headers)
                 chosen.append(v)
                 return v
@@ -215,11 +224,52 @@ class Engine:
         self.tasks.produced([(obj, i) for i in range(obj.parts)])
 
     def _fetch_part(self, obj, i):
+        """Part ``i``. When a server answers a ranged GET with the whole object (RFC 7233 lets it ignore
+        Range), nothing of that answer is written: the object is marked ``whole``, parts not yet started
+        are skipped, and the last part still running, once the others are out, fetches the object in
+        one GET (its temp file truncated first, checked as its HEAD chose)."""
+        with obj.lock:
+            if obj.whole:
+                return
+            obj.inflight += 1
+        refetch = False
+        try:
+            self._fetch_range(obj, i)
+        except RangeIgnored:
+            with obj.lock:
+                obj.whole = True
+        finally:
+            with obj.lock:
+                obj.inflight -= 1
+                if obj.whole and obj.inflight == 0 and not obj.refetching:
+                    obj.refetching = refetch = True
+        if refetch:
+            os.close(obj.fd)
+            obj.fd = None
+            self.progress.add(-obj.got)  # the parts finished before count again in the whole GET
+            obj.got = 0
+            self._fetch_whole(obj, self._whole_verifier(obj))
+
+    def _whole_verifier(self, obj):
+        v = obj.verifier
+        if isinstance(v, s3verify.PartsVerifier):
+            def fresh_parts():
+                pv = s3verify.PartsVerifier(v.kind, v.expected, v.part_size, obj.size)
+                return pv, pv.segment(0, obj.size)
+            return fresh_parts
+        if v is not None:
+            def fresh():
+                w = s3verify.Verifier(v.kind, v.expected)
+                return w, w
+            return fresh
+        return None
+
+    def _fetch_range(self, obj, i):
         start = i * obj.part_size
         length = min(obj.part_size, obj.size - start)
         parts = obj.verifier if isinstance(obj.verifier, s3verify.PartsVerifier) else None
+        counted = [0]
         if length > 0:
-            counted = [0]
 
             def prog(n):
                 counted[0] += n
@@ -230,7 +280,7 @@ class Engine:
                 try:
                     self.client.get_into(self.bucket, obj.key, obj.fd, start, length, True,
                                          (lambda _h, seg=seg: seg), prog, self.stop, if_match=obj.etag,
-                                         write_lock=obj.wlock, checksums=False)
+                                         write_lock=obj.wlock, checksums=False, size=obj.size)
                     break
                 except S3Error as exc:
                     self.progress.add(-counted[0])
@@ -243,6 +293,9 @@ class Engine:
                     self.progress.add(-counted[0])
                     raise
         with obj.lock:
+            if obj.whole:  # another part found the server ignoring Range: this object is fetched whole
+                self.progress.add(-counted[0])
+                return
             obj.done.add(i)
             obj.got += max(length, 0)
         if parts is None:
