@@ -16,6 +16,7 @@ import threading
 
 from remote import s3verify
 from remote._proto import RemoteError
+from remote.fsutil import human_bytes as human  # the one byte-size formatter (s3sync imports it here)
 from remote.s3client import RangeIgnored, S3Error, Stopped
 from remote.s3dest import identity
 
@@ -410,12 +411,3 @@ def free_inodes(path):
     except OSError:
         return None
     return st.f_favail if st.f_files else None  # some filesystems have no inode limit (f_files == 0)
-
-
-def human(n):
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return "%d %s" % (n, unit) if unit == "B" else "%.*f %s" % (2 if unit in ("GiB", "TiB") else 1, n, unit)
-        n /= 1024.0
-    return "%d B" % n
