@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from remote.redact import is_secret
+
 from .errors import ConfigError, UsageError
 from .yamlpos import load_model
 
@@ -281,11 +283,11 @@ def load_job(path: str | os.PathLike[str]) -> LoadedJob:
     return LoadedJob(job=job, path=p.resolve())
 
 
-# a false positive only keeps a value off the node's disk; a false negative writes a secret there
-SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASS|CREDENTIAL|PRIVATE|KEY|AUTH|(^|_)PAT($|_)|COOKIE|SESSION)", re.I)
-
-
-def is_secret_env(name: str, job: Job | None = None) -> bool:
+def is_secret_env(name: str, job: Job | None = None, value: str | None = None) -> bool:
+    """A secret variable: listed in the job's run.secret_env, named like one (whole words, see
+    remote.redact: HF_TOKEN yes, TOKENIZERS_PARALLELISM no), or holding a URL with credentials
+    (``postgres://u:pass@db/x``). A false positive only keeps a value off the node's disk; a false
+    negative writes a secret there."""
     if job is not None and job.run is not None and name in job.run.secret_env:
         return True
-    return bool(SECRET_NAME.search(name))
+    return is_secret(name, value)

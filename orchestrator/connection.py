@@ -37,6 +37,7 @@ import paramiko
 
 from .config import ResolvedHost
 from .errors import ConfigError, HostError, HostKeyError
+from .localenv import local_env
 
 _KH_LOCK = threading.Lock()
 
@@ -431,7 +432,7 @@ class LocalConnection(Connection):
         limit = timeout if timeout is not None else self.host.command_timeout
         start = time.monotonic()
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True, env=local_env())
         out = _Collector(on_line)
         err = bytearray()
 

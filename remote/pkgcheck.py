@@ -49,6 +49,7 @@ from remote._vendor.packaging.requirements import InvalidRequirement, Requiremen
 from remote._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
 from remote._vendor.packaging.utils import canonicalize_name
 from remote._vendor.packaging.version import Version
+from remote.redact import redact, redact_obj
 
 
 class Dist:
@@ -106,7 +107,7 @@ def _parse(spec: str) -> Requirement:
     try:
         return Requirement(spec)
     except (InvalidRequirement, InvalidSpecifier) as exc:
-        raise RemoteError("config", "invalid package spec %r: %s" % (spec, first_line(exc))) from None
+        raise RemoteError("config", redact("invalid package spec %r: %s" % (spec, first_line(exc)))) from None
 
 
 def _applies(req: Requirement, extras: set) -> bool:
@@ -326,7 +327,7 @@ def check(request: dict) -> dict:
     problems += check_consistency(dists, extras)
     versions, import_problems = module_versions(names, dists)
     problems, warnings = apply_overrides(problems + import_problems, overrides)
-    return {
+    return redact_obj({  # a package line's URL credentials never leave the node
         "python": platform.python_version(),
         "executable": sys.executable,
         "prefix": sys.prefix,
@@ -335,7 +336,7 @@ def check(request: dict) -> dict:
         "problems": problems,
         "warnings": warnings,
         "conflicts": check_candidates(list(request.get("candidates") or []), dists, extras),
-    }
+    })
 
 
 if __name__ == "__main__":

@@ -29,14 +29,17 @@ a warning quoting the reason. Any other break fails the step.
 
 Index options travel in the installer's environment (PIP_INDEX_URL / UV_INDEX_URL and the
 EXTRA variants, as index URLs may hold credentials) and ``--find-links`` / ``--no-index`` flags.
+A line with credentials in its URL reaches the installer in a 0600 file, never argv (so does uv's
+overrides file); events, result, errors and the record show URLs' userinfo as ``***`` (remote.redact).
 
-The record of the run is written (temp + rename) to ``<workspace>/.dfo/provision/<job>.json``.
+The record of the run is written (temp + rename, mode 0600) to ``<workspace>/.dfo/provision/<job>.json``.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import tempfile
 import time
 
 from remote._proto import RemoteError, emit_event, main
@@ -52,6 +55,7 @@ from remote.provision_lib import (
     now_iso,
     parse_req,
     pkgcheck,
+    private_file,
     run_tool,
     satisfied,
     tail,
@@ -59,6 +63,7 @@ from remote.provision_lib import (
     venv_state,
     write_json,
 )
+from remote.redact import redact, redact_obj
 
 HISTORY = 10  # earlier runs kept in the record (started, ok, installed, changed, error)
 
@@ -83,6 +88,7 @@ class Provision:
         self.state = {"packages": {}, "problems": [], "warnings": []}  # type: dict
         self.before = {}  # type: dict
         self.inst = None  # type: Installer | None
+        self.tmpdir = None  # type: str | None
         self.installer_info = {}  # type: dict
         self.started, self.t0 = now_iso(), time.time()
 
@@ -93,11 +99,19 @@ class Provision:
             rep = fn()
         except StepFailed as exc:
             rep = dict(exc.extra, status="failed", message=exc.message)
-            self.steps.append(dict(rep, name=name, seconds=round(time.time() - start, 2)))
+            self.steps.append(redact_obj(dict(rep, name=name, seconds=round(time.time() - start, 2))))
             emit_event(dict(self.steps[-1], event="step"))
             raise
-        self.steps.append(dict(rep, name=name, seconds=round(time.time() - start, 2)))
+        self.steps.append(redact_obj(dict(rep, name=name, seconds=round(time.time() - start, 2))))
         emit_event(dict(self.steps[-1], event="step"))
+
+    def private_dir(self) -> str:  # 0700, for files that may hold credentials; cleanup() removes it
+        self.tmpdir = self.tmpdir or tempfile.mkdtemp(prefix="dfo-provision-")
+        return self.tmpdir
+
+    def cleanup(self) -> None:
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def check(self, names: list, candidates: list | None = None) -> dict:
         self.state = pkgcheck(self.vpy, self.effs, self.overrides, names, candidates)
@@ -163,12 +177,9 @@ class Provision:
         kind = self.job.get("installer") or "pip"
         index = dict(self.job.get("index") or {})
         ofile = None
-        if self.overrides:
-            ofile = "%s/%s.overrides.txt" % (self.record_dir, self.name)
-            tmp = ofile + ".tmp"
-            with open(tmp, "w") as fh:
-                fh.write("".join("%s\n" % o["package"] for o in self.overrides))
-            os.replace(tmp, ofile)
+        if self.overrides:  # private: an override may name a URL with credentials
+            ofile = private_file(self.private_dir(), "overrides.txt",
+                                 "".join("%s\n" % o["package"] for o in self.overrides))
         if kind == "pip":
             self.inst = Installer("pip", self.vpy, self.vpy, index, None)
             self.installer_info = {"kind": "pip", "path": self.vpy + " -m pip", "version": self.before.get("pip")}
@@ -340,7 +351,7 @@ class Provision:
                                  "reason": o["reason"],
                                  "message": 'the job\'s %s is replaced by the override %s: "%s"' % (line, eff,
                                                                                                     o["reason"])})
-        return {
+        return redact_obj({
             "ok": ok, "job": self.name, "host": self.req.get("host"), "started": self.started,
             "finished": now_iso(), "seconds": round(time.time() - self.t0, 2), "venv": self.venv,
             "python": final.get("python"), "installer": self.installer_info, "asked": self.lines,
@@ -351,7 +362,7 @@ class Provision:
             "packages_after": final.get("packages"), "warnings": warnings,
             "problems": [] if ok else list(final.get("problems") or []), "installer_runs": self.installs,
             "error": error, "record": self.record_path,
-        }
+        })
 
     def save(self, rep: dict) -> None:
         """Write the record; the runs before it are kept, newest first, as a short history."""
@@ -374,7 +385,14 @@ def provision(req: dict) -> dict:
     try:
         p = Provision(req)
     except StepFailed as exc:
-        raise RemoteError(exc.kind, exc.message, hint=exc.hint) from None
+        raise RemoteError(exc.kind, redact(exc.message), hint=exc.hint and redact(exc.hint)) from None
+    try:
+        return _provision(p, req)
+    finally:
+        p.cleanup()
+
+
+def _provision(p: Provision, req: dict) -> dict:
     try:
         p.step("workspace", p.step_workspace)
         p.step("venv", p.step_venv)
@@ -388,7 +406,7 @@ def provision(req: dict) -> dict:
     except StepFailed as exc:
         rep = p.report(False, {"message": exc.message, "hint": exc.hint})
         p.save(rep)
-        raise RemoteError(exc.kind, exc.message, hint=exc.hint, report=rep) from None
+        raise RemoteError(exc.kind, redact(exc.message), hint=exc.hint and redact(exc.hint), report=rep) from None
     rep = p.report(True)
     p.save(rep)
     return rep

@@ -3,22 +3,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import subprocess
+import tempfile
 import time
 
 from remote._proto import RESULT_PREFIX, emit_event
 from remote.pep508 import InvalidRequirement, Requirement
+from remote.redact import redact, redact_obj  # noqa: F401 - re-exported
 from remote.triton_cache import cache_dir as triton_cache_path  # noqa: F401 - re-exported
 from remote.triton_cache import dir_size  # noqa: F401 - re-exported
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAIL_CHARS = 3000
-
-
-def redact(text: str) -> str:
-    """Hide credentials in URLs (``https://user:token@host`` -> ``https://***@host``)."""
-    return re.sub(r"(?i)([a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1***@", text)
 
 
 def tail(text: str, limit: int = TAIL_CHARS) -> str:
@@ -31,8 +28,11 @@ def now_iso() -> str:
 
 
 def write_json(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` (temp + rename), readable by the owner only (0600)."""
     tmp = "%s.tmp.%d" % (path, os.getpid())
-    with open(tmp, "w") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an old temp file left with other bits keeps none of them
+    with os.fdopen(fd, "w") as fh:
         json.dump(doc, fh, indent=2, default=str)
         fh.write("\n")
     os.replace(tmp, path)
@@ -112,19 +112,39 @@ class Installer:
         return " ".join(x for x in [head] + shown + [rest] if x)
 
     def run(self, reqs: list, timeout: float, overrides: bool = True) -> dict:
-        argv = self.argv(reqs, overrides)
-        emit_event({"event": "install", "command": self.display(argv)})
-        start = time.time()
+        """Install ``reqs``. Lines with credentials in a URL never reach argv (the node's process
+        listing): they go to the installer in a 0600 requirements file (``-r``) inside a fresh 0700
+        temp dir, removed when the installer is done. What is shown has them redacted."""
+        shown = self.display(self.argv(reqs, overrides))
+        secret = [r for r in reqs if redact(r) != r]
+        emit_event({"event": "install", "command": shown})
+        start, tmpdir = time.time(), None
         try:
+            argv = self.argv([r for r in reqs if redact(r) == r], overrides)
+            if secret:
+                tmpdir = tempfile.mkdtemp(prefix="dfo-req-")
+                argv += ["-r", private_file(tmpdir, "requirements.txt", "".join(r + "\n" for r in secret))]
             proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(), cwd="/",
                                   timeout=timeout)
             code, out = proc.returncode, proc.stdout.decode("utf-8", "replace")
         except subprocess.TimeoutExpired as exc:
             code, out = -1, (exc.stdout or b"").decode("utf-8", "replace") + "\n(timed out after %ds)" % timeout
         except OSError as exc:
-            code, out = -1, "cannot run %s: %s" % (argv[0], exc)
-        return {"command": self.display(argv), "exit_code": code, "seconds": round(time.time() - start, 2),
+            code, out = -1, "cannot run %s: %s" % (self.exe, exc)
+        finally:
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+        return {"command": shown, "exit_code": code, "seconds": round(time.time() - start, 2),
                 "output_tail": tail(out)}
+
+
+def private_file(directory: str, name: str, text: str) -> str:
+    """Create ``directory/name`` holding ``text``, mode 0600 from the start; its path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
 
 
 def run_tool(argv: list, timeout: float = 600) -> tuple:

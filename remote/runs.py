@@ -21,6 +21,7 @@ import time
 
 from remote import supervisor as rec
 from remote._proto import RemoteError, emit_event, main
+from remote.redact import is_secret, redact
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -213,9 +214,12 @@ def launch(req):
 
 def _start(req, run_id, run_dir, uploads):
     env, shown = trainer_env(req, run_id, run_dir)
+    # a value meta.json must not hold, even if the request called it plain (remote.redact.is_secret)
+    hidden = set(k for k, v in shown.items() if is_secret(k, v))
     meta = {
-        "id": run_id, "job": req["job"], "host": req.get("host"), "command": req["command"],
-        "workdir": req["workdir"], "env": shown, "secret_env": sorted(req.get("secret_env") or {}),
+        "id": run_id, "job": req["job"], "host": req.get("host"), "command": redact(req["command"]),
+        "workdir": req["workdir"], "env": dict((k, v) for k, v in shown.items() if k not in hidden),
+        "secret_env": sorted(set(req.get("secret_env") or {}) | hidden),
         "uploads": uploads, "autotune_guard": bool(req.get("autotune_guard")), "job_file": req.get("job_file"),
         "stop_grace": req.get("stop_grace"), "log": os.path.join(run_dir, rec.LOG), "agent_dir": AGENT_DIR,
     }

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from remote.pep440 import InvalidSpecifier
 from remote.pep508 import InvalidRequirement, Requirement
-from remote.provision_lib import redact
+from remote.redact import redact, redact_obj
 
 from ..agent import run_module
 from ..config import Job, LoadedJob
@@ -53,8 +53,8 @@ def _spec_error(loaded: LoadedJob, loc: tuple[Any, ...], spec: str, exc: Excepti
     except (OSError, yaml.YAMLError):
         pass
     field = ".".join(str(p) for p in loc)
-    why = str(exc).split(" at column")[0]
-    return ConfigError(f"{loaded.path}:{line or 1}: {field}: {spec!r} is not a valid package spec ({why})",
+    why = redact(str(exc).split(" at column")[0])
+    return ConfigError(f"{loaded.path}:{line or 1}: {field}: {redact(spec)!r} is not a valid package spec ({why})",
                        hint="write it as PEP 508 wants, e.g. torch==2.11.0, triton>=3.6, 'pkg[extra]==1.0'")
 
 
@@ -109,7 +109,7 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
 
     def on_event(ev: dict[str, Any]) -> None:
         if on_step is not None and ev.get("event") == "step":
-            on_step(ev)
+            on_step(redact_obj(ev))  # the node redacts too: credentials in URLs never reach the terminal
 
     timeout = 600 + install_timeout * (len(job.packages) + 3)
     try:
@@ -118,13 +118,16 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
         details = getattr(exc, "details", None) or {}
         rep = details.get("report")
         if not isinstance(rep, dict):
+            exc.message, exc.hint = redact(exc.message), exc.hint and redact(exc.hint)
             raise
-        err = {"kind": exc.kind, "message": exc.message, "hint": exc.hint}
+        rep = redact_obj(rep)
+        err = redact_obj({"kind": exc.kind, "message": exc.message, "hint": exc.hint})
         return ProvisionReport(
             host=conn.name, ok=False, steps=rep.get("steps") or [], warnings=rep.get("warnings") or [],
-            problems=_problems(rep, exc.message), record=rep.get("record"), error=err,
+            problems=_problems(rep, err["message"]), record=rep.get("record"), error=err,
             packages=_asked(job, rep.get("packages_after") or {}), exit_code=exc.exit_code,
         )
+    data = redact_obj(data)
     return ProvisionReport(host=conn.name, ok=True, steps=data.get("steps") or [], warnings=data.get("warnings") or [],
                            problems=[], record=data.get("record"), packages=_asked(job, data.get("packages_after") or {}))
 

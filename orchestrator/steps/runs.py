@@ -137,13 +137,13 @@ def new_run_id(job_name: str) -> str:
 
 
 def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
-    """(plain, secret) environment for the trainer. Secret names (orchestrator.config.is_secret_env)
-    keep their values off the node's disk; a run.secret_env name absent from run.env takes its value
-    from this shell's environment."""
+    """(plain, secret) environment for the trainer. Secret names and values holding URL credentials
+    (orchestrator.config.is_secret_env) keep their values off the node's disk; a run.secret_env name
+    absent from run.env takes its value from this shell's environment."""
     job, run = loaded.job, loaded.need("run")
     assert isinstance(run, RunConfig)
-    plain = {k: v for k, v in run.env.items() if not is_secret_env(k, job)}
-    secret = {k: v for k, v in run.env.items() if is_secret_env(k, job)}
+    plain = {k: v for k, v in run.env.items() if not is_secret_env(k, job, v)}
+    secret = {k: v for k, v in run.env.items() if is_secret_env(k, job, v)}
     for name in run.secret_env:
         if name not in run.env:
             value = os.environ.get(name)
