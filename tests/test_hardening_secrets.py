@@ -304,3 +304,29 @@ def test_local_transport_gives_the_trainer_an_allow_listed_environment(tmp_path:
     assert got["CUDA_VISIBLE_DEVICES"] == "0,1" and got["LANG"] == "C.UTF-8" and got["HOME"] == str(home)
     assert got["HF_HOME"] == str(tmp_path / "hf") and got["PATH"] == controller["PATH"]
     assert got["DFO_RUN_ID"] == run
+
+
+@pytest.mark.testbed
+def test_the_node_keeps_url_credentials_out_of_meta_json_even_when_sent_as_plain(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Defence in depth: remote.runs itself moves a credentialed value (and a secret name) out of meta.json."""
+    from orchestrator.agent import run_module
+    from orchestrator.config import load_inventory, resolve_host
+    from orchestrator.connection import open_connection
+
+    inv_path = inventory_copy(testbed, tmp_path)
+    inv, p = load_inventory(inv_path)
+    conn = open_connection(resolve_host(inv, testbed.nodes[0].name, p))
+    password = "NODEPASS" + secrets.token_hex(6)
+    run_id = f"plainsent-{secrets.token_hex(3)}"
+    try:
+        run_module(conn, "remote.runs", {
+            "op": "launch", "workspace": "/workspace", "run_id": run_id, "job": "plainsent", "host": conn.name,
+            "command": "true", "workdir": "/root/runs-test", "force": True, "autotune_guard": False,
+            "env": {"DATABASE_URL": f"postgres://u:{password}@db/x", "HF_TOKEN": password + "x", "PLAIN": "v"},
+            "secret_env": {}, "stop_grace": 5, "job_file": "plainsent.yaml", "uploads": []}, timeout=60)
+    finally:
+        conn.close()
+    env = RunsEnv(testbed, testbed.nodes[0], inv_path, tmp_path)
+    meta = env.run_file(run_id, "meta.json")
+    assert password not in json.dumps(meta)
+    assert meta["secret_env"] == ["DATABASE_URL", "HF_TOKEN"] and meta["env"]["PLAIN"] == "v"
