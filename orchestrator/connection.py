@@ -4,13 +4,17 @@ All SSH options live here, in one commented place:
 
 * one connection per host per dfo command, reused for every remote call (``Connection``);
 * connect timeout (inventory ``defaults.connect_timeout``) for TCP, banner and auth;
-* liveness on every call: a keepalive that wants a reply every ``ALIVE_INTERVAL_S``; no reply for
-  ``ALIVE_DEAD_S`` and the link counts as dead: the call in flight raises HostError (exit 4);
+* liveness on every call (orchestrator.liveness): a keepalive that wants an answer every 5 s; none
+  for 20 s and the link counts as dead: the call in flight raises HostError (exit 4), a long
+  silent command on a live link runs on;
 * an explicit timeout on every call (``run(..., timeout=)``);
 * host keys: dfo keeps its own known_hosts. An unknown key is recorded on first contact
   (OpenSSH's ``StrictHostKeyChecking=accept-new``); a changed key is refused before any
   command runs (``HostKeyError``, exit 4) with both fingerprints and the command that forgets
   the old key. Never ``AutoAddPolicy`` for known hosts, never ``StrictHostKeyChecking=no``.
+  The file is read strictly and only ever appended to (orchestrator.known_hosts): a line dfo
+  cannot read is exit 2 naming FILE:LINE; ``@revoked`` keys are refused (exit 4);
+  ``@cert-authority`` lines, comments and other key types are kept and play no part.
 * ProxyJump (one hop, from the inventory or ~/.ssh/config) through a direct-tcpip channel;
   the jump host's key is checked against the same known_hosts.
 * Remote environment is never passed with ``setenv`` (sshd's AcceptEnv would drop it);
@@ -35,24 +39,15 @@ from pathlib import Path
 
 import paramiko
 
+from . import known_hosts
 from .config import ResolvedHost
-from .errors import ConfigError, HostError, HostKeyError
+from .errors import DfoError, HostError, HostKeyError
+from .known_hosts import Entry, KnownHosts
+from .liveness import Liveness
 from .localenv import local_env
 
 _KH_LOCK = threading.Lock()
 
-# Liveness, for every call (not only tail). paramiko's own keepalive (Transport.set_keepalive) wants
-# no reply, so it cannot tell a dead link from a quiet one: a cut link or a hung node left a call
-# waiting until TCP gave up (~15 min). dfo does what OpenSSH's ServerAliveInterval does: every
-# ALIVE_INTERVAL_S it sends the global request "keepalive@openssh.com" with want_reply. Any answer
-# (sshd answers "request failed") proves the node's sshd is there, however long the command itself
-# stays silent (a quiet pip install, `sleep 600`). No answer for ALIVE_DEAD_S: the link is cut, or the
-# node or its sshd hung; the connection is closed and the call in flight raises HostError (exit 4).
-# From the cut to the error: at most ALIVE_DEAD_S + ALIVE_CHECK_S (under the 30 s dfo promises).
-ALIVE_REQUEST = "keepalive@openssh.com"
-ALIVE_INTERVAL_S = 5.0
-ALIVE_DEAD_S = 20.0
-ALIVE_CHECK_S = 0.5
 LOST_HINT = ("once the node answers again, run the same command again "
              "(provision, stage-model and sync-data resume where they stopped)")
 
@@ -86,39 +81,70 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Record a never-seen host key in dfo's known_hosts (accept-new). A key that differs from one
-    recorded for that name never gets here (paramiko raises BadHostKeyException); one recorded by
-    another connection or process since this client loaded the file is refused here, under a lock
-    (a thread lock, and flock on a lock file beside known_hosts for other dfo processes)."""
+    """Called for a key of a type paramiko has no recorded key of for this host name (see
+    Connection._open, which feeds paramiko the host's plain, unrevoked keys from dfo's known_hosts).
+    Under a lock (a thread lock, and flock on a lock file beside known_hosts for other dfo
+    processes) it re-reads the file: a @revoked key is refused; a key recorded meanwhile by another
+    connection or process must be this one; a new key is appended (accept-new), never rewriting
+    the file."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, host: ResolvedHost) -> None:
+        self.host = host
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         import fcntl
 
-        p = Path(self.path)
+        p = Path(self.host.known_hosts)
         p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        blob = key.asbytes()
         with _KH_LOCK, open(p.with_name(p.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            keys = paramiko.HostKeys()
-            if p.exists():
-                keys.load(str(p))
-            recorded = keys.lookup(hostname)
-            if recorded is not None and key.get_name() in recorded and recorded[key.get_name()] != key:
-                raise paramiko.BadHostKeyException(hostname, key, recorded[key.get_name()])
-            keys.add(hostname, key.get_name(), key)
-            tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            keys.save(str(tmp))
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, p)
+            kh = KnownHosts.load(str(p))
+            revoked = kh.revoked(blob)
+            if revoked is not None:
+                raise _revoked_error(self.host, hostname, key, revoked)
+            same = [e for e in kh.recorded(hostname) if e.key_type == key.get_name()]
+            if not same:
+                known_hosts.append(str(p), hostname, key.get_name(), blob)
+            elif all(e.blob != blob for e in same):
+                raise paramiko.BadHostKeyException(hostname, key, _pkey(same[0]) or key)
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
+def _pkey(e: Entry) -> paramiko.PKey | None:
+    """The paramiko key of a known_hosts line, or None for a type paramiko does not know (sk-*, ...)."""
+    try:
+        return paramiko.PKey.from_type_string(e.key_type, e.blob)
+    except (paramiko.pkey.UnknownKeyType, paramiko.SSHException, ValueError, TypeError):
+        return None
+
+
+def _revoked_error(host: ResolvedHost, label: str, key: paramiko.PKey, line: Entry) -> HostKeyError:
+    return HostKeyError(
+        f"host key for {label} is REVOKED ({host.known_hosts}:{line.lineno}): {fingerprint(key)} "
+        f"({key.get_name()}); nothing was run",
+        host=host.name,
+        hint="a @revoked key is never accepted; check the node's real key out of band (is it compromised, "
+             "or was it rebuilt?)",
+    )
+
+
 def _host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, label: str) -> HostKeyError:
+    kh = KnownHosts.load(host.known_hosts)
+    offered = exc.key.asbytes()
+    revoked = kh.revoked(offered)
+    if revoked is not None:
+        return _revoked_error(host, label, exc.key, revoked)
+    same = [e for e in kh.recorded(label) if e.key_type == exc.key.get_name()]
+    where = f" ({host.known_hosts}:{same[0].lineno})" if same else ""
+    if any(e.blob == offered for e in same[1:]):
+        return HostKeyError(
+            f"host key for {label}: {len(same)} {exc.key.get_name()} keys are recorded for it and the first"
+            f"{where} is not the one offered; nothing was run",
+            host=host.name, hint="dfo checks one key per host and key type: delete the stale line")
     forget = f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(host.known_hosts)}"
     return HostKeyError(
-        f"host key for {label} CHANGED: recorded {fingerprint(exc.expected_key)}, "
+        f"host key for {label} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
         f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run",
         host=host.name,
         hint=f"if the node was really rebuilt, forget the old key with: {forget}",
@@ -133,43 +159,6 @@ def _close_quietly(chan: paramiko.Channel) -> None:
         pass
 
 
-class _Liveness:
-    """Watches one SSH transport: a thread asks the node for a reply every ALIVE_INTERVAL_S, another
-    calls ``on_dead`` once no reply came for ALIVE_DEAD_S. Uses paramiko's Transport only (fabric's
-    Connection exposes it as .transport), so it carries over to fabric unchanged."""
-
-    def __init__(self, transport: paramiko.Transport, on_dead: Callable[[str], None], label: str) -> None:
-        self.transport = transport
-        self.last_reply = time.monotonic()
-        self.dead: str | None = None
-        self._on_dead = on_dead
-        self._stop = threading.Event()
-        for what, target in (("ask", self._ask), ("watch", self._watch)):
-            threading.Thread(target=target, name=f"dfo-alive-{what}-{label}", daemon=True).start()
-
-    def _ask(self) -> None:
-        t = self.transport
-        while not self._stop.wait(ALIVE_INTERVAL_S) and t.is_active():
-            try:
-                t.global_request(ALIVE_REQUEST, wait=True)  # returns on any answer, or once t is closed
-            except Exception:  # noqa: BLE001 - a transport closing under us; _watch decides
-                return
-            if t.is_active():
-                self.last_reply = time.monotonic()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(ALIVE_CHECK_S) and self.transport.is_active():
-            silent = time.monotonic() - self.last_reply
-            if silent > ALIVE_DEAD_S:
-                self.dead = (f"the node has not answered for {silent:.0f}s "
-                             "(the link is down, or the node or its sshd hung)")
-                self._on_dead(self.dead)
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 class Connection:
     """One SSH connection to one host, opened lazily and reused for every call."""
 
@@ -178,26 +167,29 @@ class Connection:
         self.name = host.name
         self._client: paramiko.SSHClient | None = None
         self._jump: paramiko.SSHClient | None = None
-        self._alive: _Liveness | None = None
+        self._alive: Liveness | None = None
         self._lost_why: str | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- connect
-    def _new_client(self) -> paramiko.SSHClient:
+    def _new_client(self, label: str) -> paramiko.SSHClient:
+        """A client that knows this host's recorded keys (read strictly from dfo's known_hosts: a line it
+        cannot read is exit 2, never skipped) and records a new one on first contact (_AcceptNew)."""
         client = paramiko.SSHClient()
-        if os.path.exists(self.host.known_hosts):
-            try:
-                client.load_host_keys(self.host.known_hosts)
-            except (paramiko.SSHException, OSError, ValueError) as exc:
-                raise ConfigError(f"{self.host.known_hosts}: cannot read dfo's known_hosts: {exc}",
-                                  hint="fix or remove the bad line (ssh-keygen -R HOST -f FILE rewrites it)") from None
-        client.set_missing_host_key_policy(_AcceptNew(self.host.known_hosts))
+        keys = client.get_host_keys()
+        types: set[str] = set()
+        for e in KnownHosts.load(self.host.known_hosts).recorded(label):
+            key = _pkey(e)
+            if key is not None and e.key_type not in types:  # the first line per key type counts
+                types.add(e.key_type)
+                keys.add(label, e.key_type, key)
+        client.set_missing_host_key_policy(_AcceptNew(self.host))
         return client
 
     def _open(self, hostname: str, port: int, user: str | None, sock: object | None) -> paramiko.SSHClient:
         h = self.host
         label = hostname if port == 22 else f"[{hostname}]:{port}"
-        client = self._new_client()
+        client = self._new_client(label)
         try:
             client.connect(
                 hostname,
@@ -212,6 +204,9 @@ class Connection:
                 channel_timeout=h.connect_timeout,
                 sock=sock,  # type: ignore[arg-type]
             )
+        except DfoError:
+            client.close()
+            raise
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise _host_key_error(h, exc, label) from None
@@ -282,7 +277,7 @@ class Connection:
             transport = self._client.get_transport()
             assert transport is not None
             self._lost_why = None
-            self._alive = _Liveness(transport, self._dead_link(self._client, self._jump), self.name)
+            self._alive = Liveness(transport, self._dead_link(self._client, self._jump), self.name)
             return self._client
 
     def _dead_link(self, *clients: paramiko.SSHClient | None) -> Callable[[str], None]:
@@ -344,11 +339,19 @@ class Connection:
         try:
             chan = transport.open_session(timeout=self.host.connect_timeout)
             chan.exec_command(command)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self._lost(str(exc)) from None
+        try:
+            chan.settimeout(max(limit, 1.0))  # a command that never reads its stdin cannot hold sendall past limit
             if stdin is not None:
                 chan.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self._lost(str(exc)) from None
+            if not transport.is_active():
+                _close_quietly(chan)
+                raise self._lost(str(exc)) from None
+            # the command ended (its channel closed) before it read all of its stdin: no lost link;
+            # its output and exit code, collected below, say what happened
         out, err = _Collector(on_line), bytearray()
         try:
             while True:

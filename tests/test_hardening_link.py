@@ -16,9 +16,10 @@ import pytest
 
 from orchestrator import testbed_sys as tsys
 from orchestrator.config import load_inventory, resolve_host
-from orchestrator.connection import ALIVE_DEAD_S, Connection
+from orchestrator.connection import Connection
 from orchestrator.errors import HostError
-from tests._runs_fixtures import COUNTER, RunsEnv, dfo_popen, inventory_copy
+from orchestrator.liveness import ALIVE_DEAD_S
+from tests._runs_fixtures import COUNTER, RunsEnv, dfo, dfo_popen, inventory_copy
 from tests._s3_fixtures import Xfer, random_files, upload
 
 on_testbed = pytest.mark.testbed
@@ -81,8 +82,11 @@ def test_a_long_silent_command_on_a_live_link_is_not_a_dead_link(testbed, tmp_pa
 
 
 @on_testbed
-def test_a_link_cut_during_a_call_is_exit_4_within_30s(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    tb = make_testbed(s3=False)
+@pytest.mark.parametrize("mode", ["default", "loopback"])
+def test_a_link_cut_during_a_call_is_exit_4_within_30s(make_testbed, tmp_path: Path, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """default: a namespaced node whose link goes down (as root); loopback: sshd frozen with SIGSTOP
+    (a hung node: TCP stays up, nothing answers)."""
+    tb = make_testbed(s3=False, **({"use_netns": False} if mode == "loopback" else {}))
     node = tb.nodes[0]
     conn = _conn(inventory_copy(tb, tmp_path), node.name)
     try:
@@ -135,7 +139,8 @@ def test_launch_wait_on_a_cut_link_exits_4_within_30s_and_the_run_goes_on(make_t
             p.communicate()
         tb.link_up(env.node)
     assert p.returncode == 4 and waited < 30, (p.returncode, waited, err)
-    assert "the run is not affected; resume with: dfo tail" in err and "Traceback" not in err, err
+    assert "the run is not affected; resume with: dfo " in err and f" tail -H {env.node.name} " in err, err
+    assert "Traceback" not in err, err
     runs = None
     deadline = time.monotonic() + 20
     while runs is None:
@@ -187,3 +192,131 @@ def test_sync_data_on_a_cut_link_exits_4_within_30s_and_a_rerun_resumes(make_tes
     r = x.dfo("sync-data", "-H", node.name, "-j", str(job))
     assert r.returncode == 0, r.stderr
     assert x.digests(f"{x.base}/data") == ds.digests()
+
+
+# ------------------------------------------------------------------------------------ item 12
+
+SK_LINE = ("laptop.example sk-ssh-ed25519@openssh.com AAAAGnNrLXNzaC1lZDI1NTE5QG9wZW5zc2guY29tAAAAIDq0a2ZbOzY8WKc1e"
+           "PQcO7Y6E5+fxhjoM7D2XHkp2m5nAAAABHNzaDo= my security key")
+
+
+def _other_key(tmp_path: Path, name: str = "other") -> str:
+    """A real ed25519 public key that no testbed node has: "ssh-ed25519 AAAA..."."""
+    f = tmp_path / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(f)], check=True, capture_output=True)
+    return " ".join(f.with_suffix(".pub").read_text().split()[:2])
+
+
+def _label(node) -> str:  # type: ignore[no-untyped-def]
+    return node.address if node.port == 22 else f"[{node.address}]:{node.port}"
+
+
+def _kh_env(tb, tmp_path: Path, text: str) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
+    """A copy of the testbed's inventory whose known_hosts is a fresh file holding ``text``."""
+    inv = inventory_copy(tb, tmp_path)
+    kh = tmp_path / "known_hosts"
+    kh.write_text(text)
+    return inv, kh
+
+
+@on_testbed
+def test_known_hosts_lines_dfo_does_not_use_are_kept_and_a_new_key_is_appended(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = testbed.nodes[0]
+    other = _other_key(tmp_path)
+    hashed_other = tmp_path / "hashed"
+    hashed_other.write_text(f"elsewhere.example {other}\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(hashed_other)], check=True, capture_output=True)
+    before = ("# dfo's known hosts, kept by hand too\n"
+              f"@cert-authority * {other} the corp CA\n"
+              f"@revoked gone.example {_other_key(tmp_path, 'gone')}\n"
+              f"{SK_LINE}\n"
+              "\n"
+              f"{hashed_other.read_text().strip()}\n"
+              f"box.example,10.9.9.9 {other}   # no newline at the end")
+    inv, kh = _kh_env(testbed, tmp_path, before)
+    # OpenSSH reads every line of it (the oracle that the file is valid)
+    assert subprocess.run(["ssh-keygen", "-lf", str(kh)], capture_output=True).returncode == 0
+    r = dfo(inv, "status", "-H", node.name)
+    assert r.returncode == 0, r.stderr
+    after = kh.read_text()
+    assert after.startswith(before + "\n"), after  # appended, not rewritten: comments, markers, sk-* kept
+    added = after[len(before) + 1:]
+    assert added == f"{_label(node)} {testbed.host_public_key(node)}\n"
+    found = subprocess.run(["ssh-keygen", "-F", _label(node), "-f", str(kh)], capture_output=True, text=True)
+    assert testbed.host_public_key(node) in found.stdout  # OpenSSH finds the line dfo added
+    assert dfo(inv, "status", "-H", node.name).returncode == 0
+    assert kh.read_text() == after  # a known key adds nothing
+
+
+@on_testbed
+def test_a_hashed_host_line_is_honoured(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = testbed.nodes[0]
+    inv, kh = _kh_env(testbed, tmp_path, f"{_label(node)} {testbed.host_public_key(node)}\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    hashed = kh.read_text()
+    assert hashed.startswith("|1|")
+    assert dfo(inv, "status", "-H", node.name).returncode == 0
+    assert kh.read_text() == hashed  # found under its hashed name: nothing added
+    # a hashed line with another key for the node: a changed key, refused
+    kh.write_text(f"{_label(node)} {_other_key(tmp_path)}\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    r = dfo(inv, "status", "-H", node.name)
+    assert r.returncode == 4 and "CHANGED" in r.stderr, r.stderr
+
+
+@on_testbed
+def test_first_contact_from_many_connections_at_once_records_each_key_once(testbed2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    inv, kh = _kh_env(testbed2, tmp_path, "# shared by several dfo processes\n")
+    procs = [dfo_popen(inv, "status", "-H", "testbed") for _ in range(4)]  # each: both nodes in parallel
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    lines = kh.read_text().splitlines()
+    assert lines[0] == "# shared by several dfo processes"
+    assert sorted(lines[1:]) == sorted(f"{_label(n)} {testbed2.host_public_key(n)}" for n in testbed2.nodes)
+
+
+@on_testbed
+@pytest.mark.parametrize("also_plain", [False, True])
+def test_a_revoked_host_key_is_refused(testbed, tmp_path: Path, also_plain: bool) -> None:  # type: ignore[no-untyped-def]
+    node = testbed.nodes[0]
+    pub = testbed.host_public_key(node)
+    text = f"# revoked after a leak\n@revoked * {pub}\n" + (f"{_label(node)} {pub}\n" if also_plain else "")
+    inv, kh = _kh_env(testbed, tmp_path, text)
+    r = dfo(inv, "status", "-H", node.name)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "REVOKED" in r.stderr and f"{kh}:2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert kh.read_text() == text
+
+
+@on_testbed
+@pytest.mark.parametrize("damage", ["cut_key", "no_key", "bad_marker", "bad_hash", "wrong_type", "not_base64"])
+def test_a_damaged_known_hosts_line_is_exit_2_naming_file_and_line(testbed, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    node = testbed.nodes[0]
+    label, pub = _label(node), testbed.host_public_key(node)
+    kind, key = pub.split()
+    line = {"cut_key": f"{label} {kind} {key[:40]}",  # a write cut short
+            "no_key": f"{label} {kind}",
+            "bad_marker": f"@cert-authorty * {pub}",
+            "bad_hash": f"|1|c2FsdA==|aGFzaA== {pub}",
+            "wrong_type": f"{label} ecdsa-sha2-nistp256 {key}",
+            "not_base64": f"{label} {kind} {key[:30]}!!{key[32:]}"}[damage]
+    text = f"# first line\n{SK_LINE}\n{line}\n"
+    inv, kh = _kh_env(testbed, tmp_path, text)
+    r = dfo(inv, "status", "-H", node.name)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{kh}:3:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert kh.read_text() == text  # never treated as absent: nothing was trusted anew
+
+
+@on_testbed
+def test_a_command_that_exits_without_reading_its_stdin_is_no_lost_connection(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Its channel closes while dfo still sends stdin (a remote module that asks for the agent upload
+    does this): the exit code comes back; it was exit 4 "connection lost: Socket is closed"."""
+    conn = _conn(inventory_copy(testbed, tmp_path), testbed.nodes[0].name)
+    try:
+        r = conn.run("echo early; exit 3", stdin=b"x" * (16 << 20))
+        assert (r.exit_code, r.stdout) == (3, "early\n")
+        assert conn.run("cat | wc -c", stdin=b"y" * 1000).stdout.strip() == "1000"  # the connection is fine
+    finally:
+        conn.close()

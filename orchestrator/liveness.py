@@ -1,0 +1,64 @@
+"""Liveness of an SSH connection: is the node still there while a call waits on it?
+
+paramiko's own keepalive (Transport.set_keepalive) wants no reply, so it cannot tell a dead link
+from a quiet one: a cut link or a hung node left a call waiting until TCP gave up (~15 min). dfo
+does what OpenSSH's ServerAliveInterval does: every ALIVE_INTERVAL_S it sends the global request
+"keepalive@openssh.com" with want_reply. Any answer (sshd answers "request failed") proves the
+node's sshd is there, however long the command itself stays silent (a quiet pip install,
+`sleep 600`). No answer for ALIVE_DEAD_S: the link is cut, or the node or its sshd hung;
+connection.Connection then closes the connection, and the call in flight raises HostError (exit 4).
+From the cut to the error: at most ALIVE_DEAD_S + ALIVE_CHECK_S, under the 30 s dfo promises.
+
+The watch needs only a transport with is_active() and global_request(kind, wait=True): paramiko's
+Transport, which fabric's Connection exposes as .transport. No paramiko import here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+# The one place for these numbers (the whole SSH setup is described in connection.py).
+ALIVE_REQUEST = "keepalive@openssh.com"  # OpenSSH's own name; any sshd answers it (with a failure)
+ALIVE_INTERVAL_S = 5.0  # a request every this many seconds, on every open connection
+ALIVE_DEAD_S = 20.0  # no answer for this long: the link is dead (a loaded node answers in well under 1 s)
+ALIVE_CHECK_S = 0.5  # how often the watch looks at the time since the last answer
+
+
+class Liveness:
+    """Watches one SSH transport: a thread asks the node for an answer every ALIVE_INTERVAL_S,
+    another calls ``on_dead(why)`` once, when no answer came for ALIVE_DEAD_S. Both end with the
+    transport, or at stop()."""
+
+    def __init__(self, transport: Any, on_dead: Callable[[str], None], label: str) -> None:
+        self.transport = transport
+        self.last_answer = time.monotonic()
+        self.dead: str | None = None
+        self._on_dead = on_dead
+        self._stop = threading.Event()
+        for what, target in (("ask", self._ask), ("watch", self._watch)):
+            threading.Thread(target=target, name=f"dfo-alive-{what}-{label}", daemon=True).start()
+
+    def _ask(self) -> None:
+        t = self.transport
+        while not self._stop.wait(ALIVE_INTERVAL_S) and t.is_active():
+            try:
+                t.global_request(ALIVE_REQUEST, wait=True)  # returns on any answer, or once t is closed
+            except Exception:  # noqa: BLE001 - a transport closing under us; _watch decides
+                return
+            if t.is_active():
+                self.last_answer = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(ALIVE_CHECK_S) and self.transport.is_active():
+            silent = time.monotonic() - self.last_answer
+            if silent > ALIVE_DEAD_S:
+                self.dead = (f"the node has not answered for {silent:.0f}s "
+                             "(the link is down, or the node or its sshd hung)")
+                self._on_dead(self.dead)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
