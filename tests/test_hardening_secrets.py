@@ -172,10 +172,12 @@ def _record(pv: Pv, name: str) -> tuple[str, str]:  # noqa: F811
 
 
 @pytest.mark.testbed
-def test_package_line_credentials_never_leak(pv: Pv, wheel_server: tuple[_WheelServer, str]) -> None:  # noqa: F811
+@pytest.mark.parametrize("installer", ["uv", "pip"])
+def test_package_line_credentials_never_leak(pv: Pv, wheel_server: tuple[_WheelServer, str],  # noqa: F811
+                                             installer: str) -> None:
     srv, token = wheel_server
     line = f"dfosecretpkg @ http://wheeluser:{token}@{srv.url_base[len('http://'):]}/{srv.wheel.name}"
-    job = pv.job("secretjob", packages=["faketriton==3.6.0", line])
+    job = pv.job("secretjob", packages=["faketriton==3.6.0", line], installer=installer)
     # on a terminal
     r, _ = pv.provision(job, as_json=False)
     assert r.returncode == 0, r.stdout + r.stderr
