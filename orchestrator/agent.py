@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shlex
 import tarfile
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import remote
-from remote._proto import EVENT_PREFIX, RESULT_PREFIX
+from remote._proto import RESULT_PREFIX, split_frame
 
 from .connection import Connection, Result
 from .errors import ConfigError, DfoError, HostError, RemoteCommandError, RunFailed, VerifyError
@@ -65,7 +66,7 @@ def upload_agent(conn: Connection) -> None:
     )
     res = conn.run(cmd, stdin=data, timeout=120)
     if res.exit_code != 0:
-        raise RemoteCommandError(f"could not upload dfo's remote code: {res.stderr.strip()[-300:]}", host=conn.name,
+        raise RemoteCommandError(f"could not upload dfo's remote code: {plain_tail(res.stderr, 300)}", host=conn.name,
                                  hint="is $HOME writable and tar installed on the node?")
 
 
@@ -89,14 +90,39 @@ _ERR_CLASSES: dict[str, type[DfoError]] = {
 }
 
 
+class NoResultError(RemoteCommandError):
+    """The remote module's output held no result frame (it died, or something ate its stdout)."""
+
+
+# ANSI sequences a login shell prints (colours, terminal titles), then any other control character
+_ESCAPES = re.compile(r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]?")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain_tail(text: str, limit: int = 400) -> str:
+    """The end of a node's output for an error message: escape sequences and control characters
+    removed (they would act on this terminal), lines joined with " | "."""
+    text = _CONTROL.sub("", _ESCAPES.sub("", text[-4 * limit:]))
+    return " | ".join(ln.strip() for ln in text.splitlines() if ln.strip())[-limit:]
+
+
 def parse_output(conn: Connection, res: Result, module: str) -> Any:
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            doc = json.loads(line[len(RESULT_PREFIX):])
+    """The data of the module's result frame (found wherever it starts in its line), or its error raised."""
+    for line in reversed(res.stdout.split("\n")):
+        frame = split_frame(line)
+        if frame is not None and frame[0] == "result":
+            try:
+                doc = json.loads(frame[1])
+            except ValueError:
+                raise RemoteCommandError(f"{module} gave a malformed result (exit {res.exit_code}): "
+                                         f"{plain_tail(frame[1], 200)}", host=conn.name) from None
             break
     else:
-        tail = (res.stderr.strip() or res.stdout.strip())[-400:]
-        raise RemoteCommandError(f"{module} gave no result (exit {res.exit_code}): {tail}", host=conn.name)
+        tail = plain_tail(res.stderr.strip() or res.stdout.strip())
+        raise NoResultError(f"{module} gave no result (exit {res.exit_code})" + (f": {tail}" if tail else ""),
+                            host=conn.name, hint=_NO_RESULT_HINT.format(host=conn.name) if res.exit_code == 0 else None)
+    if not isinstance(doc, dict):
+        raise RemoteCommandError(f"{module} gave a malformed result (exit {res.exit_code})", host=conn.name)
     if doc.get("ok"):
         return doc.get("data")
     err = doc.get("error") or {}
@@ -104,6 +130,10 @@ def parse_output(conn: Connection, res: Result, module: str) -> Any:
     exc = cls(err.get("message", "remote error"), host=conn.name, hint=err.get("hint"))
     exc.details = err  # type: ignore[attr-defined]
     raise exc
+
+
+_NO_RESULT_HINT = ("if a login file on the node (~/.bashrc, /etc/bash.bashrc) redirects or swallows stdout, "
+                   "fix it: `ssh {host} true` should print nothing")
 
 
 def run_module(
@@ -120,17 +150,28 @@ def run_module(
     """Run ``python3 -m <module>`` on the node with ``request`` on stdin; return the result's data.
 
     ``env`` is for non-secret values only (they appear in the node's process listing); put
-    secrets in ``request``.
+    secrets in ``request``. Frames are found wherever they start in a line, so a login shell's
+    banner or title escape glued in front of one does no harm. Only the result frame is kept in
+    memory; events go to ``on_event`` as they arrive.
     """
     py = python or conn.host.python
     payload = json.dumps(request or {})
 
-    def on_line(line: str) -> None:
-        if on_event is not None and line.startswith(EVENT_PREFIX):
+    def on_line(line: str) -> bool:
+        """Dispatch an event; True for the result frame, the one line the connection keeps."""
+        frame = split_frame(line)
+        if frame is None:
+            return False
+        if frame[0] == "result":
+            return True
+        if on_event is not None:
             try:
-                on_event(json.loads(line[len(EVENT_PREFIX):]))
+                ev = json.loads(frame[1])
             except ValueError:
-                pass
+                return False
+            if isinstance(ev, dict):
+                on_event(ev)
+        return False
 
     cmd = module_command(module, py, env, args)
     res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)

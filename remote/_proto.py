@@ -7,6 +7,11 @@ reads two kinds of lines:
 * the result: ``@@DFO-RESULT@@ {json}`` -- exactly one, last. It is ``{"ok": true, "data": ...}``
   or ``{"ok": false, "error": {"kind": str, "message": str, ...}}``.
 
+A frame may start anywhere in a line: a login shell on the node (``~/.bashrc``) may print a
+terminal-title escape or a banner with no trailing newline, which glues onto the first frame.
+``split_frame`` finds the earliest prefix in a line; JSON never holds a raw newline, so a frame
+always ends its line.
+
 The request comes on stdin as one JSON document, so secrets never sit in argv.
 """
 import json
@@ -15,6 +20,19 @@ import traceback
 
 EVENT_PREFIX = "@@DFO-EVENT@@ "
 RESULT_PREFIX = "@@DFO-RESULT@@ "
+
+
+def split_frame(line):
+    """``("event"|"result", json_text)`` for a line holding a frame, wherever it starts; else None.
+
+    The earliest prefix wins: a log chunk event may quote a frame's prefix inside its JSON."""
+    e = line.find(EVENT_PREFIX)
+    r = line.find(RESULT_PREFIX)
+    if r >= 0 and (e < 0 or r < e):
+        return "result", line[r + len(RESULT_PREFIX):]
+    if e >= 0:
+        return "event", line[e + len(EVENT_PREFIX):]
+    return None
 
 
 class RemoteError(Exception):
