@@ -389,33 +389,62 @@ class Connection:
 
 
 class _Collector:
-    """Collects stdout and hands each complete line to a callback as it arrives."""
+    """Collects a command's stdout.
 
-    def __init__(self, on_line: Callable[[str], None] | None) -> None:
-        self.buf = bytearray()
+    Without ``on_line`` all of it is kept (``text()``). With ``on_line`` (streaming mode: framed
+    remote modules) each complete line goes to the callback as it arrives, and memory stays bounded
+    however long the stream: only the lines the callback returns True for are kept (the module's
+    result frame), plus the last ``TAIL_BYTES`` of the rest, for error messages. A line without a
+    newline longer than ``LINE_MAX`` (noise; frames are far shorter) goes to the callback in pieces.
+    """
+
+    TAIL_BYTES = 8192
+    LINE_MAX = 32 << 20
+
+    def __init__(self, on_line: Callable[[str], object] | None) -> None:
+        self.buf = bytearray()  # everything; in streaming mode the tail of what was not kept
+        self.kept: list[bytes] = []
         self.pending = bytearray()
+        self.scanned = 0  # pending[:scanned] holds no newline
         self.on_line = on_line
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
         if self.on_line is None:
+            self.buf += data
             return
         self.pending += data
+        start = 0
         while True:
-            i = self.pending.find(b"\n")
+            i = self.pending.find(b"\n", max(start, self.scanned))
             if i < 0:
                 break
-            line = bytes(self.pending[:i]).decode("utf-8", "replace")
-            del self.pending[: i + 1]
-            self.on_line(line)
+            self._line(bytes(self.pending[start:i]))
+            start = i + 1
+        del self.pending[:start]
+        self.scanned = len(self.pending)
+        if self.scanned > self.LINE_MAX:
+            self.flush()
+
+    def _line(self, raw: bytes) -> None:
+        assert self.on_line is not None
+        if self.on_line(raw.decode("utf-8", "replace")):
+            self.kept.append(raw)
+            return
+        self.buf += raw[-self.TAIL_BYTES:] + b"\n"
+        if len(self.buf) > 2 * self.TAIL_BYTES:
+            del self.buf[: len(self.buf) - self.TAIL_BYTES]
 
     def flush(self) -> None:
         if self.on_line is not None and self.pending:
-            self.on_line(bytes(self.pending).decode("utf-8", "replace"))
+            raw = bytes(self.pending)
             self.pending.clear()
+            self.scanned = 0
+            self._line(raw)
 
     def text(self) -> str:
-        return self.buf.decode("utf-8", "replace")
+        if self.on_line is None:
+            return self.buf.decode("utf-8", "replace")
+        return (bytes(self.buf) + b"".join(k + b"\n" for k in self.kept)).decode("utf-8", "replace")
 
 
 class LocalConnection(Connection):

@@ -6,7 +6,6 @@ stop.json (a stop was asked for) and, with the autotune guard, autotune_guard.js
 file is written to a temp name and renamed. ``python3 -m remote.runs`` reads ``{"op": ...}``.
 """
 import base64
-import errno
 import fcntl
 import hashlib
 import json
@@ -21,6 +20,9 @@ import time
 
 from remote import supervisor as rec
 from remote._proto import RemoteError, emit_event, main
+from remote.logfollow import LogReader, start_offset
+from remote.logfollow import Watch as _Watch
+from remote.logfollow import chunk_event as _chunk_event
 from remote.redact import is_secret, redact
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -267,26 +269,6 @@ def _start(req, run_id, run_dir, uploads):
 # --------------------------------------------------------------------------- read / follow
 
 
-def _chunk_event(offset, data):
-    try:
-        return {"o": offset, "t": data.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"o": offset, "d": base64.b64encode(data).decode()}
-
-
-def start_offset(log, req):
-    if req.get("offset") is not None:
-        return int(req["offset"])
-    if not os.path.exists(log):
-        return 0
-    lines = req.get("lines")
-    if lines is None:
-        return 0
-    if isinstance(lines, str) and lines.startswith("+"):
-        return rec.offset_of_line(log, int(lines[1:]))
-    return rec.offset_of_last_lines(log, int(lines))
-
-
 def read(req):
     run_id, run_dir = resolve(req)
     state = rec.run_state(run_dir)
@@ -305,88 +287,74 @@ def read(req):
     return info
 
 
-class _Watch:
-    """Wake on writes to the log or files appearing in the run dir (inotify via ctypes), else poll."""
-
-    def __init__(self, run_dir, log):
-        self.fd = None
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            if fd >= 0:
-                ok = libc.inotify_add_watch(fd, log.encode(), 0x2) >= 0  # IN_MODIFY
-                ok = libc.inotify_add_watch(fd, run_dir.encode(), 0x80 | 0x100) >= 0 and ok  # MOVED_TO|CREATE
-                if ok:
-                    self.fd = fd
-                else:
-                    os.close(fd)
-        except (OSError, AttributeError, ImportError):
-            self.fd = None
-
-    def wait(self, timeout):
-        if self.fd is None:
-            time.sleep(min(timeout, 0.05))
-            return
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if ready:
-            try:
-                while os.read(self.fd, 65536):
-                    pass
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise
-
-
 def follow(req):
-    """Stream the log from an offset as events until the run has ended and the log is drained."""
+    """Stream the log from an offset as events until the run has ended and the log is drained
+    (``to_end``: until the end the log has now). The events: orchestrator/steps/logstream.py. A log
+    truncated or replaced meanwhile is read on from its new start, after a reset event."""
     run_id, run_dir = resolve(req)
     log = os.path.join(run_dir, rec.LOG)
-    offset = start_offset(log, req)
+    start = start_offset(log, req)
     hb = float(req.get("heartbeat") or 2.0)
     coalesce = float(req.get("coalesce") or 0)
     deadline = time.time() + float(req["max_seconds"]) if req.get("max_seconds") is not None else None
+    to_end = bool(req.get("to_end"))
     state = rec.run_state(run_dir)
     meta = state[1] or {}
-    emit_event({"start": offset, "run": run_id, "job": meta.get("job"), "pid": meta.get("pid")})
+    reader = LogReader(log, start, req.get("ino"))
+    why = reader.open()
+    emit_event({"start": start, "run": run_id, "job": meta.get("job"), "pid": meta.get("pid"), "ino": reader.ino})
+    if why:
+        emit_event(reader.reset_event(why))
+    stop_at = reader.size()
     watch = _Watch(run_dir, log)
     end_path = os.path.join(run_dir, rec.END)
     check_every = 2.0 if watch.fd is not None else 0.5  # full state check (pids): catches a lost run
-    f = None
     last_sent = last_check = time.time()
     ended = state if state[0] != "running" else None
-    while True:
-        if f is None and os.path.exists(log):
-            f = open(log, "rb")
-            f.seek(offset)
-        data = f.read(rec.CHUNK) if f is not None else b""
-        if data:
-            emit_event(_chunk_event(offset, data))
-            offset += len(data)
-            prev_sent, last_sent = last_sent, time.time()
-            if deadline is not None and last_sent >= deadline and ended is None:
-                break
-            if coalesce and len(data) < rec.CHUNK and last_sent - prev_sent < 0.02:
-                time.sleep(coalesce)  # a fast log: let lines gather (fewer events, less CPU on both ends)
-            continue
-        if ended is not None:
-            break  # the run had ended before this read reached the end of the log: drained
-        now = time.time()
-        if os.path.exists(end_path) or now - last_check >= check_every:  # end.json wakes inotify at once
-            last_check = now
-            st = rec.run_state(run_dir)
-            if st[0] != "running":
-                ended = st
+    try:
+        while True:
+            if reader.f is None:
+                why = reader.open()
+                if reader.f is not None:
+                    emit_event(reader.reset_event(why) if why else {"ino": reader.ino})
+                    watch.watch_file(log)
+            at, data = reader.read(rec.CHUNK)
+            if data:
+                emit_event(_chunk_event(at, data))
+                prev_sent, last_sent = last_sent, time.time()
+                if to_end and reader.offset >= stop_at:
+                    break
+                if deadline is not None and last_sent >= deadline and ended is None:
+                    break
+                if coalesce and len(data) < rec.CHUNK and last_sent - prev_sent < 0.02:
+                    time.sleep(coalesce)  # a fast log: let lines gather (fewer events, less CPU on both ends)
                 continue
-        if deadline is not None and now >= deadline:
-            break
-        if now - last_sent >= hb:
-            emit_event({"hb": offset})
-            last_sent = now
-        watch.wait(max(0.0, min(check_every, hb, deadline - now if deadline is not None else hb)))
+            if to_end:
+                break
+            why = reader.changed()
+            if why:
+                emit_event(reader.reset_event(why))
+                watch.watch_file(log)
+                continue
+            if ended is not None:
+                break  # the run had ended before this read reached the end of the log: drained
+            now = time.time()
+            if os.path.exists(end_path) or now - last_check >= check_every:  # end.json wakes inotify at once
+                last_check = now
+                st = rec.run_state(run_dir)
+                if st[0] != "running":
+                    ended = st
+                    continue
+            if deadline is not None and now >= deadline:
+                break
+            if now - last_sent >= hb:
+                emit_event({"hb": reader.offset})
+                last_sent = now
+            watch.wait(max(0.0, min(check_every, hb, deadline - now if deadline is not None else hb)))
+    finally:
+        reader.close()
     info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=ended or rec.run_state(run_dir))
-    info["offset"] = offset
+    info["offset"] = reader.offset
     return info
 
 

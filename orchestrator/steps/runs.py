@@ -3,12 +3,10 @@
 The node side is remote/runs.py (+ remote/supervisor.py). Everything here goes through
 ``agent.run_module(conn, "remote.runs", {"op": ...})``; secrets travel in the request on stdin.
 
-Follow mode keeps ONE long-lived remote command per connection that streams the log's new bytes
-as framed events, each with its byte offset, plus a heartbeat every ``HEARTBEAT_S`` when the log is
-quiet. The controller holds the offset of the next byte it needs: after a dropped connection (or
-``STALL_S`` with nothing heard, which is how a dead link shows) it reconnects with backoff and
-asks again from that exact offset, so every line is shown once, in order; a line cut at a chunk
-boundary waits in ``LineSplitter`` for its end.
+Following a log (``follow``, ``read_lines``) lives in orchestrator.steps.logstream: one
+long-lived remote command per connection streams the log's new bytes as framed events with their
+byte offsets; the controller resumes at the exact offset after a dropped connection, follows a
+truncated or rotated log from its new start, and holds at most one bounded partial line.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import os
 import re
 import secrets
 import shlex
-import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,14 +28,12 @@ from ..agent import run_module
 from ..config import Job, LoadedJob, RunConfig, is_secret_env
 from ..connection import Connection
 from ..diagnosis import Diagnosis, diagnose
-from ..errors import ConfigError, DfoError, HostError, HostKeyError
+from ..errors import ConfigError
+from . import logstream
+from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 
-MODULE = "remote.runs"
-HEARTBEAT_S = 2.0
-STALL_S = 8.0
-RECONNECT_BUDGET_S = 300.0
+MODULE = logstream.MODULE
 TAIL_FOR_DIAGNOSIS = 80
-COALESCE_MS = 5.0  # a log faster than 50 lines/s is sent in batches at most this far apart
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
 PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
 
@@ -216,78 +210,12 @@ def stop(conn: Connection, workspace: str, run: str, grace: float | None = None,
     return RunInfo.model_validate(data)
 
 
-def _chunk(ev: dict[str, Any]) -> bytes:
-    if "t" in ev:
-        return str(ev["t"]).encode("utf-8")
-    return base64.b64decode(ev.get("d") or "")
-
-
-class LineSplitter:
-    """Bytes in, complete lines out (without the newline); a partial line waits for its end."""
-
-    def __init__(self, on_line: Callable[[str], None]) -> None:
-        self.on_line = on_line
-        self.pending = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self.pending += data
-        start = 0
-        while True:
-            i = self.pending.find(b"\n", start)
-            if i < 0:
-                break
-            self.on_line(bytes(self.pending[start:i]).decode("utf-8", "replace"))
-            start = i + 1
-        del self.pending[:start]
-
-    def flush(self) -> None:
-        if self.pending:
-            self.on_line(bytes(self.pending).decode("utf-8", "replace"))
-            self.pending.clear()
-
-
 def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
                job: str | None = None) -> RunInfo:
-    """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end."""
-    split, offset, step = LineSplitter(on_line), None, 4 << 20
-    while True:
-        req = {"op": "read", "workspace": workspace, "run": run, "job": job, "offset": offset, "lines": lines,
-               "max_bytes": step, "tail": TAIL_FOR_DIAGNOSIS}
-        data = run_module(conn, MODULE, req, timeout=120)
-        run = data["id"]
-        chunk = _chunk(data)
-        split.feed(chunk)
-        offset = data["next_offset"]
-        if len(chunk) < step:
-            split.flush()
-            return RunInfo.model_validate(data)
-
-
-# --------------------------------------------------------------------------- follow
-
-
-class _Watchdog:
-    """Closes the connection when nothing (not even a heartbeat) arrived for ``stall_s``: a dead
-    link looks like silence, and closing is what makes the blocked call return."""
-
-    def __init__(self, conn: Connection, stall_s: float) -> None:
-        self.conn, self.stall_s = conn, stall_s
-        self.last = time.monotonic()
-        self.armed = self.fired = False
-        self._done = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name=f"dfo-watchdog-{conn.name}").start()
-
-    def arm(self) -> None:
-        self.last, self.fired, self.armed = time.monotonic(), False, True
-
-    def _run(self) -> None:
-        while not self._done.wait(0.5):
-            if self.armed and time.monotonic() - self.last > self.stall_s:
-                self.armed, self.fired = False, True
-                self.conn.close()
-
-    def close(self) -> None:
-        self._done.set()
+    """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end, streamed
+    (memory stays bounded however big the log); a lost connection is an error at once."""
+    return follow(conn, workspace, run=run, job=job, lines=lines, on_line=on_line, reconnect_budget_s=0,
+                  to_end=True)
 
 
 def follow(
@@ -302,87 +230,17 @@ def follow(
     on_note: Callable[[str], None] | None = None,
     stall_s: float | None = None,
     reconnect_budget_s: float = RECONNECT_BUDGET_S,
+    to_end: bool = False,
 ) -> RunInfo:
     """Print the run's log line by line until it ends and is drained (or ``max_seconds`` pass).
 
     Returns the run as it stands at the end (``state`` is still "running" when ``max_seconds`` ran
     out first). ``lines``: start at the last N lines, or at line "+N"; None means the whole log.
     ``stall_s`` (default $DFO_TAIL_STALL_S or 8): silence after which the link counts as dead.
+    A log truncated or replaced meanwhile is followed from its new start, with a note. How it
+    works: orchestrator.steps.logstream.
     """
-    stall_s = stall_s if stall_s is not None else float(os.environ.get("DFO_TAIL_STALL_S") or STALL_S)
-    heartbeat = min(HEARTBEAT_S, stall_s / 4)
-    split = LineSplitter(on_line)
-    offset: int | None = None
-    t_end = time.monotonic() + max_seconds if max_seconds is not None else None
-    dog = _Watchdog(conn, stall_s)
-    attempt, lost_since = 0, None
-
-    def on_event(ev: dict[str, Any]) -> None:
-        nonlocal offset, run, attempt, lost_since
-        dog.last = time.monotonic()
-        attempt, lost_since = 0, None
-        if "start" in ev:
-            run = ev["run"]
-            if offset is None:
-                offset = int(ev["start"])
-            return
-        if "o" not in ev or offset is None:
-            return
-        data, at = _chunk(ev), int(ev["o"])
-        if at > offset and on_note:
-            on_note(f"{at - offset} bytes of the log were skipped (was the log truncated?)")
-        if at < offset:
-            data = data[offset - at:]
-        split.feed(data)
-        offset = max(offset, at) + len(data)
-
-    try:
-        while True:
-            remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
-            req = {"op": "follow", "workspace": workspace, "run": run, "job": job, "offset": offset,
-                   "lines": lines, "max_seconds": remaining, "heartbeat": heartbeat, "tail": TAIL_FOR_DIAGNOSIS,
-                   "coalesce": float(os.environ.get("DFO_TAIL_COALESCE_MS") or COALESCE_MS) / 1000}
-            dog.arm()
-            try:
-                data = run_module(conn, MODULE, req, timeout=1e9 if remaining is None else remaining + 120,
-                                  on_event=on_event)
-            except HostKeyError:
-                raise  # a changed key is no dropped link: never retried
-            except HostError as exc:
-                lost_since = lost_since or time.monotonic()
-                why = f"nothing heard for {stall_s:g}s" if dog.fired else exc.message
-                if time.monotonic() - lost_since > reconnect_budget_s:
-                    raise HostError(f"lost the connection for over {reconnect_budget_s:g}s: {why}", host=conn.name,
-                                    hint=f"the run is not affected; resume with: dfo tail -H {conn.name} {run or ''}") from None
-                if on_note:
-                    on_note(f"connection to {conn.name} lost ({why}); reconnecting")
-                attempt = _reconnect(conn, attempt, lost_since, reconnect_budget_s, run)
-                if on_note:
-                    on_note(f"reconnected to {conn.name}; resuming {run or 'the run'} at byte {offset or 0}")
-                continue
-            finally:
-                dog.armed = False
-            info = RunInfo.model_validate(data)
-            if info.state != "running":
-                split.flush()
-            return info
-    finally:
-        dog.close()
-
-
-def _reconnect(conn: Connection, attempt: int, lost_since: float, budget: float, run: str | None) -> int:
-    """Reconnect with exponential backoff (0.5 s doubling to 8 s) until ``budget`` s after the loss."""
-    while True:
-        time.sleep(min(0.5 * 2 ** attempt, 8.0))
-        attempt += 1
-        try:
-            conn.reconnect()
-        except HostKeyError:
-            raise
-        except DfoError as exc:
-            if time.monotonic() - lost_since > budget:
-                raise HostError(f"lost the connection and could not reconnect for {budget:g}s: {exc.message}",
-                                host=conn.name,
-                                hint=f"the run is not affected; resume with: dfo tail -H {conn.name} {run or ''}") from None
-            continue
-        return attempt
+    data = logstream.stream(conn, {"workspace": workspace, "job": job, "tail": TAIL_FOR_DIAGNOSIS}, run=run,
+                            lines=lines, max_seconds=max_seconds, on_line=on_line, on_note=on_note, stall_s=stall_s,
+                            reconnect_budget_s=reconnect_budget_s, to_end=to_end)
+    return RunInfo.model_validate(data)
