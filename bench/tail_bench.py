@@ -13,6 +13,11 @@ its stamp (the testbed node shares this machine's clock). Node CPU is the CPU ti
 follower's processes on the node: the follower (``python3 -m remote.runs`` or ``tail``) plus its
 per-connection sshd processes, sampled from /proc until they exit. Controller CPU is the
 follower's client process here (``dfo tail`` or ``ssh``), from wait4's rusage.
+
+With ``--memory-mb N`` (0 skips it) it also measures the controller's peak RSS (wait4's
+ru_maxrss) while ``dfo tail -n +1`` reads, to its end, a log of N MB made on the node in two
+shapes: many lines, and one line with no newline (tqdm-style ``\r`` updates), next to
+``ssh HOST cat LOG`` reading the same file.
 """
 
 from __future__ import annotations
@@ -165,11 +170,53 @@ def poll(inv: Path, node: str, run: str, n: int, cpu: NodeCpu, every: float) -> 
             "max_ms": lat[-1], "node_cpu_s": cpu.seconds(), "client_cpu_s": None}
 
 
+MEMORY_LOGS = {
+    "lines": "yes 'step 123456 loss 0.123456 lr 6.0e-04 tokens/s 123456 grad_norm 0.98765' | head -c {size}",
+    "one line": "yes $'step 12345/99999 [=====>    ] 3.21it/s loss=0.1234\\r' | tr -d '\\n' | head -c {size}",
+}
+
+
+def peak_rss(argv: list[str]) -> tuple[int, float, int, float]:
+    """(exit code, peak RSS in MiB, bytes on stdout, seconds) of a command reading a log to its end."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    n = 0
+    while block := proc.stdout.read(1 << 20):
+        n += len(block)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024, n, time.monotonic() - t0
+
+
+def memory(tb: Testbed, dfo: list[str], work: Path, mb: int) -> list[dict[str, object]]:
+    node, out = tb.nodes[0], []
+    for shape, cmd in MEMORY_LOGS.items():
+        job = work / "mem.yaml"
+        job.write_text(yaml.safe_dump({"name": "mem", "run": {"workdir": "/root/bench", "wait": 0,
+                                                             "command": cmd.format(size=mb * 1_000_000)}}))
+        r = subprocess.run([*dfo, "launch", "-H", node.name, "-j", str(job), "--json"], capture_output=True,
+                           text=True, check=True)
+        info = json.loads(r.stdout)["hosts"][node.name]
+        while json.loads(subprocess.run([*dfo, "status", "-H", node.name, info["run"], "--json"], capture_output=True,
+                                        text=True).stdout)["hosts"][node.name]["runs"][0]["state"] == "running":
+            time.sleep(0.5)
+        for tool, argv in (("dfo tail", [*dfo, "tail", "-H", node.name, info["run"], "-n", "+1"]),
+                           ("ssh cat", tb.ssh_argv(node, "cat", info["run_dir"] + "/log"))):
+            code, rss, n, secs = peak_rss(argv)
+            out.append({"tool": tool, "shape": shape, "mb": mb, "exit": code, "peak_rss_mib": round(rss, 1),
+                        "stdout_bytes": n, "seconds": round(secs, 1)})
+            print(f"{tool:12s} {mb} MB log, {shape:8s}: peak RSS {rss:6.1f} MiB, {n} bytes out in {secs:.1f} s "
+                  f"(exit {code})", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="20,2000", help="lines per second to compare at (comma-separated)")
     ap.add_argument("--seconds", type=float, default=10.0, help="how long the writer writes at each rate")
     ap.add_argument("--pad", type=int, default=80, help="bytes of padding per line")
+    ap.add_argument("--memory-mb", type=int, default=100, help="size of the log for the memory check (0: skip it)")
     ap.add_argument("--out", help="also write the results as JSON here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dfo-tailbench-"))
@@ -210,9 +257,10 @@ def main() -> int:
                       f"p99 {res['p99_ms']:.1f} ms, max {res['max_ms']:.1f} ms; node CPU {res['node_cpu_s']:.2f} s, "
                       "client CPU " + ("-" if res["client_cpu_s"] is None else f"{res['client_cpu_s']:.2f} s"), flush=True)
                 time.sleep(1)
+        mem = memory(tb, dfo, work, a.memory_mb) if a.memory_mb > 0 else []
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"results": results, "argv": sys.argv[1:]}, indent=1) + "\n")
+        Path(a.out).write_text(json.dumps({"results": results, "memory": mem, "argv": sys.argv[1:]}, indent=1) + "\n")
     return 0
 
 
