@@ -43,19 +43,19 @@ import tempfile
 import time
 
 from remote._proto import RemoteError, emit_event, main
+from remote.fsutil import human_bytes
 from remote.provision_lib import (
     Installer,
     StepFailed,
     _cfg_version,
-    _human,
     _last_lines,
     _redacted_index,
     diff_packages,
     dir_size,
     now_iso,
-    parse_req,
     pkgcheck,
     private_file,
+    req_key,
     run_tool,
     satisfied,
     tail,
@@ -76,8 +76,8 @@ class Provision:
         self.vpy = self.venv + "/bin/python"
         self.lines = list(job.get("packages") or [])
         self.overrides = list(job.get("overrides") or [])
-        self.okeys = dict((parse_req(o["package"]).key, o) for o in self.overrides)
-        self.keys = [parse_req(line).key for line in self.lines]
+        self.okeys = dict((req_key(o["package"]), o) for o in self.overrides)
+        self.keys = [req_key(line) for line in self.lines]
         self.effs = [self.okeys[self.keys[i]]["package"] if self.keys[i] in self.okeys else self.lines[i]
                      for i in range(len(self.lines))]
         self.timeout = float(req.get("install_timeout") or 3600)
@@ -302,7 +302,7 @@ class Provision:
         reqs = self.effs + unsat if self.inst.kind == "uv" else unsat
         runs = [self.inst.run(reqs, self.timeout)]
         self.installs += runs
-        after_state = self.check(names=[parse_req(u).key for u in unsat])
+        after_state = self.check(names=[req_key(u) for u in unsat])
         self._note_changes(before, after_state["packages"])
         left = [u for u in unsat if not satisfied(u, after_state["packages"])]
         problems = self.relevant(len(self.lines), after_state)
@@ -332,7 +332,7 @@ class Provision:
                 shutil.rmtree(p)
             else:
                 os.unlink(p)
-        return {"status": "done", "message": "removed %s (%d file%s) from %s" % (_human(size), files,
+        return {"status": "done", "message": "removed %s (%d file%s) from %s" % (human_bytes(size), files,
                                                                              "" if files == 1 else "s", path),
                 "path": path, "bytes_removed": size, "files_removed": files}
 

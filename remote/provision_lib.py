@@ -9,7 +9,9 @@ import tempfile
 import time
 
 from remote._proto import RESULT_PREFIX, emit_event
-from remote.pep508 import InvalidRequirement, Requirement
+from remote._vendor.packaging.requirements import InvalidRequirement, Requirement
+from remote.fsutil import write_json  # noqa: F401 - re-exported: the one durable JSON writer
+from remote.pkgcheck import dist_key, first_line
 from remote.redact import redact, redact_obj  # noqa: F401 - re-exported
 from remote.triton_cache import cache_dir as triton_cache_path  # noqa: F401 - re-exported
 from remote.triton_cache import dir_size  # noqa: F401 - re-exported
@@ -25,17 +27,6 @@ def tail(text: str, limit: int = TAIL_CHARS) -> str:
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def write_json(path: str, doc: dict) -> None:
-    """Write ``doc`` to ``path`` (temp + rename), readable by the owner only (0600)."""
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an old temp file left with other bits keeps none of them
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 class StepFailed(Exception):
@@ -159,13 +150,18 @@ def parse_req(spec: str) -> Requirement:
     try:
         return Requirement(spec)
     except (InvalidRequirement, ValueError) as exc:
-        raise StepFailed("invalid package spec %r: %s" % (spec, exc), kind="config") from None
+        raise StepFailed("invalid package spec %r: %s" % (spec, first_line(exc)), kind="config") from None
+
+
+def req_key(spec: str) -> str:
+    """The normalized distribution name of a package line (``Fla_Core>=0.5`` -> ``fla-core``)."""
+    return dist_key(parse_req(spec))
 
 
 def satisfied(spec: str, packages: dict) -> bool:
     req = parse_req(spec)
-    have = packages.get(req.key)
-    return have is not None and req.specifier.contains(have)
+    have = packages.get(dist_key(req))
+    return have is not None and req.specifier.contains(have, prereleases=True)
 
 
 def diff_packages(before: dict, after: dict) -> list:
@@ -203,14 +199,6 @@ def _last_lines(text: str, n: int = 3) -> str:
         if ln.lower().startswith(("error", "× ", "x ")):
             return " | ".join(lines[i:i + 4])
     return " | ".join(lines[-n:]) or "(no output)"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
-        n /= 1024.0
-    return "%d B" % n
 
 
 def _redacted_index(index: dict) -> dict:

@@ -191,3 +191,103 @@ def test_node_code_runs_on_python_3_8() -> None:
     assert out["python"].startswith("3.8.") and out["kb"] == ["triton"]
     assert [(p["kind"], p["package"]) for p in out["problems"]
             if p["package"] in ("pip", "no-such-dist")] == [("missing", "no-such-dist")]
+
+
+# -- one of each: name normaliser, byte-size formatter, durable JSON writer -----------------
+
+def _node_and_controller_sources() -> list[Path]:
+    return [p for d in ("orchestrator", "remote") for p in (ROOT / d).rglob("*.py") if "_vendor" not in p.parts]
+
+
+def test_one_package_name_normaliser() -> None:
+    from orchestrator.steps.verify_env import dist_name
+    from remote import known_bad
+    from remote.provision_lib import req_key
+
+    assert dist_name("Fla_Core.X[gpu]>=0.5") == req_key("Fla_Core.X[gpu]>=0.5") == "fla-core-x"
+    odd = {"FLA.Core": "0.6.0", "Triton": "3.6.0"}  # spelled as some metadata spells them
+    assert [p["package"] for p in known_bad.match_known_bad(odd, ["9.0"], None)] == ["triton"]
+    hand_written = [p.relative_to(ROOT).as_posix() for p in _node_and_controller_sources()
+                    if '"[-_.]+"' in p.read_text()]
+    assert hand_written == [], "use packaging.utils.canonicalize_name"
+
+
+@pytest.mark.parametrize("n,text", [
+    (0, "0 B"), (1000, "1000 B"), (1536, "1.5 KiB"), (21 * 2**20, "21.0 MiB"),
+    (int(10.04 * 2**30), "10.04 GiB"), (3 * 2**40, "3.00 TiB"),
+])
+def test_one_byte_size_formatter(n: int, text: str) -> None:
+    from orchestrator.steps import transfer
+    from remote import fsutil, s3engine
+
+    assert fsutil.human_bytes(n) == text
+    assert transfer.human_bytes is s3engine.human is fsutil.human_bytes
+    own_units = [p.relative_to(ROOT).as_posix() for p in _node_and_controller_sources()
+                 if p.name != "fsutil.py" and re.search(r"""["'](KiB|MiB|GiB)""", p.read_text())]
+    assert own_units == [], "format sizes with remote.fsutil.human_bytes"
+
+
+def _writers(tmp_path: Path) -> dict[str, object]:
+    from remote import provision_lib, s3manifest, supervisor
+
+    def manifest(path: Path, doc: dict[str, object]) -> None:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            s3manifest.write_atomic(fd, path.name, json.dumps(doc).encode())
+        finally:
+            os.close(fd)
+
+    return {"run record": supervisor.write_json, "provision record": provision_lib.write_json,
+            "data manifest": manifest}
+
+
+@pytest.mark.parametrize("which", ["run record", "provision record", "data manifest"])
+def test_every_record_is_written_durably_and_owner_only(tmp_path: Path, which: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    write = _writers(tmp_path)[which]
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "rec.json"
+    write(target, {"a": 1})  # type: ignore[operator]
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert synced == ["file", "dir"]  # the data, then the rename
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.json"]
+
+
+@pytest.mark.parametrize("which", ["run record", "provision record", "data manifest"])
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, which: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    write = _writers(tmp_path)[which]
+    target = tmp_path / "rec.json"
+    write(target, {"v": 1})  # type: ignore[operator]
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        write(target, {"v": 2})  # type: ignore[operator]
+    assert json.loads(target.read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.json"]
+
+
+def test_a_planted_symlink_at_the_temp_name_is_not_written_through(tmp_path: Path) -> None:
+    import threading
+
+    from remote import fsutil
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    target = tmp_path / "rec.json"
+    tmp = tmp_path / f".rec.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp.symlink_to(victim)
+    fsutil.write_atomic(str(target), b"new")
+    assert victim.read_text() == "keep" and target.read_bytes() == b"new" and not target.is_symlink()
+    assert not os.path.lexists(tmp)

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import InvalidSpecifier
+from packaging.utils import canonicalize_name
 from pydantic import BaseModel
 
-from remote.pep440 import InvalidSpecifier
-from remote.pep508 import InvalidRequirement, Requirement
 from remote.redact import redact, redact_obj
 
 from ..agent import run_module
@@ -53,7 +54,7 @@ def _spec_error(loaded: LoadedJob, loc: tuple[Any, ...], spec: str, exc: Excepti
     except (OSError, yaml.YAMLError):
         pass
     field = ".".join(str(p) for p in loc)
-    why = redact(str(exc).split(" at column")[0])
+    why = redact((str(exc).splitlines() or ["?"])[0])
     return ConfigError(f"{loaded.path}:{line or 1}: {field}: {redact(spec)!r} is not a valid package spec ({why})",
                        hint="write it as PEP 508 wants, e.g. torch==2.11.0, triton>=3.6, 'pkg[extra]==1.0'")
 
@@ -135,7 +136,7 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
 def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for spec in job.packages:
-        key = Requirement(spec).key
+        key = canonicalize_name(Requirement(spec).name)
         out[key] = packages.get(key)
     return out
 
@@ -146,7 +147,7 @@ def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
     key = None
     if failed.get("asked"):
         try:
-            key = Requirement(failed["asked"]).key
+            key = canonicalize_name(Requirement(failed["asked"]).name)
         except (InvalidRequirement, InvalidSpecifier):
             key = None
     expected = None
