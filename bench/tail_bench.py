@@ -176,17 +176,32 @@ MEMORY_LOGS = {
 }
 
 
-def peak_rss(argv: list[str]) -> tuple[int, float, int, float]:
+# Linux carries the forking process's RSS into a child's ru_maxrss (fork copies the high-water mark and
+# exec keeps it), so the measured command is forked from this small wrapper, not from the bench.
+MAXRSS_WRAPPER = """\
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def peak_rss(argv: list[str], work: Path) -> tuple[int, float, int, float]:
     """(exit code, peak RSS in MiB, bytes on stdout, seconds) of a command reading a log to its end."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = work / "maxrss"
+    proc = subprocess.Popen([sys.executable, "-c", MAXRSS_WRAPPER, str(out), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     n = 0
     while block := proc.stdout.read(1 << 20):
         n += len(block)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 1024, n, time.monotonic() - t0
+    code = proc.wait()
+    return code, int(out.read_text()) / 1024, n, time.monotonic() - t0
 
 
 def memory(tb: Testbed, dfo: list[str], work: Path, mb: int) -> list[dict[str, object]]:
@@ -203,7 +218,7 @@ def memory(tb: Testbed, dfo: list[str], work: Path, mb: int) -> list[dict[str, o
             time.sleep(0.5)
         for tool, argv in (("dfo tail", [*dfo, "tail", "-H", node.name, info["run"], "-n", "+1"]),
                            ("ssh cat", tb.ssh_argv(node, "cat", info["run_dir"] + "/log"))):
-            code, rss, n, secs = peak_rss(argv)
+            code, rss, n, secs = peak_rss(argv, work)
             out.append({"tool": tool, "shape": shape, "mb": mb, "exit": code, "peak_rss_mib": round(rss, 1),
                         "stdout_bytes": n, "seconds": round(secs, 1)})
             print(f"{tool:12s} {mb} MB log, {shape:8s}: peak RSS {rss:6.1f} MiB, {n} bytes out in {secs:.1f} s "
