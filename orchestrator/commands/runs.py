@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +31,9 @@ from ..errors import EXIT_RUN, DfoError, HostError, UsageError
 from ..steps import runs as steps
 from .preflight import check_run
 from .runs_view import (
+    OUT,
     RECAP_LINES,
+    LogLines,
     dfo_cmd,
     duration,
     guard_line,
@@ -43,8 +44,6 @@ from .runs_view import (
     state_markup,
 )
 
-_OUT = threading.Lock()
-
 
 def _given_run(run: str | None, command: str) -> str | None:
     """RUN as given. An explicitly empty one (a script's unset $RUN) is refused (exit 2), never taken
@@ -54,29 +53,6 @@ def _given_run(run: str | None, command: str) -> str | None:
         raise UsageError(f"dfo {command}: RUN is empty (an unset variable?): give a run id or its unique prefix"
                          f"{leave_out}")
     return run
-
-
-class _Lines:
-    """Log lines to stdout (raw, never markup), prefixed with the host when there are several."""
-
-    def __init__(self, multi: bool, quiet: bool = False) -> None:
-        self.multi, self.quiet = multi, quiet
-
-    def line(self, host: str) -> Callable[[str], None]:
-        def out(text: str) -> None:
-            if self.quiet:
-                return
-            with _OUT:
-                sys.stdout.write(f"{host} | {text}\n" if self.multi else text + "\n")
-                sys.stdout.flush()
-        return out
-
-    def note(self, host: str) -> Callable[[str], None]:
-        """dfo's own remarks (uploads, reconnects): stderr, so stdout stays the log."""
-        def out(text: str) -> None:
-            with _OUT:
-                err_console.print(f"[dim]dfo: {safe(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
-        return out
 
 
 def _workspace(conn: Connection, loaded: LoadedJob | None) -> str:
@@ -145,7 +121,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     check_run(loaded)  # the whole run: section, before any host is touched (exit 2)
     window = run.wait if wait is None else wait
     sess = session(ctx, hosts)
-    lines = _Lines(len(sess.names) > 1, quiet=as_json)
+    lines = LogLines(len(sess.names) > 1, quiet=as_json)
     started: dict[str, steps.RunInfo] = {}
 
     def cmd(command: str, host: str, run_id: str) -> str:
@@ -162,7 +138,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
             raise
         started[conn.name] = info
         if not as_json:
-            with _OUT:
+            with OUT:
                 console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
                               f"watching {window:g}s", highlight=False, soft_wrap=True)
             for u in info.uploads or []:
@@ -254,7 +230,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     start: int | str = lines if lines.startswith("+") else int(lines)
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
-    out = _Lines(len(sess.names) > 1)
+    out = LogLines(len(sess.names) > 1)
     current: dict[str, str | None] = {}
 
     def one(conn: Connection) -> steps.RunInfo:

@@ -9,17 +9,44 @@ seconds that `launch` watches) passes the trainer's bytes through untouched.
 from __future__ import annotations
 
 import shlex
+import sys
+import threading
 import time
+from collections.abc import Callable
 
 import click
 from rich.table import Table
 
-from ..cli_common import console, safe
+from ..cli_common import console, err_console, safe
 from ..diagnosis import render as render_diagnoses
 from ..steps import runs as steps
 
 STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
 RECAP_LINES = 10
+OUT = threading.Lock()  # one writer at a time: log lines and dfo's notes from several hosts
+
+
+class LogLines:
+    """Log lines to stdout (raw, never markup), prefixed with the host when there are several."""
+
+    def __init__(self, multi: bool, quiet: bool = False) -> None:
+        self.multi, self.quiet = multi, quiet
+
+    def line(self, host: str) -> Callable[[str], None]:
+        def out(text: str) -> None:
+            if self.quiet:
+                return
+            with OUT:
+                sys.stdout.write(f"{host} | {text}\n" if self.multi else text + "\n")
+                sys.stdout.flush()
+        return out
+
+    def note(self, host: str) -> Callable[[str], None]:
+        """dfo's own remarks (uploads, reconnects): stderr, so stdout stays the log."""
+        def out(text: str) -> None:
+            with OUT:
+                err_console.print(f"[dim]dfo: {safe(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
+        return out
 
 
 def dfo_cmd(ctx: click.Context, command: str, host: str, *args: str, job_path: str | None = None) -> str:
