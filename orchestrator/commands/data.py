@@ -8,9 +8,8 @@ import threading
 from typing import Any
 
 import click
-from rich.markup import escape
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, session
+from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
 from ..connection import Connection
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, human_bytes, transfer
@@ -30,14 +29,15 @@ COMMON_HELP = """\
 
     Credentials: resolved here by botocore's chain (AWS_* variables, then s3.profile or the
     default profile, SSO, ...) and sent to the node on stdin, never in argv, a process
-    listing or a log; with s3.credentials: node the node uses its own (AWS_* variables,
-    ~/.aws/credentials, or an EC2 instance profile). s3.endpoint_url and s3.region choose
-    the endpoint (any S3-compatible server works).
+    listing or a log; none found is exit 2 before any host is touched. With s3.credentials:
+    node the node uses its own (AWS_* variables, ~/.aws/credentials, or an EC2 instance
+    profile); with s3.credentials: anonymous requests go unsigned (a public bucket).
+    s3.endpoint_url and s3.region choose the endpoint (any S3-compatible server works).
 
     \b
-    Exit codes: 0 done (or nothing to do); 2 bad job file; 3 S3 refused (no such bucket,
-    access denied), a check failed, or the destination is full or not writable;
-    4 the node or the S3 endpoint could not be reached.
+    Exit codes: 0 done (or nothing to do); 2 bad job file, or no S3 credentials found on
+    this machine; 3 S3 refused (no such bucket, access denied), a check failed, or the
+    destination is full or not writable; 4 the node or the S3 endpoint could not be reached.
     """
 
 
@@ -45,11 +45,11 @@ def _render(host: str, r: TransferReport, command: str) -> None:
     verified = ", ".join(f"{k} {v}" for k, v in sorted(r.verified.items()))
     with _OUT:
         if r.status == "no change":
-            console.print(f"{escape(host)}: {command}: [dim]no change[/]: {r.files_total} files "
-                          f"({human_bytes(r.bytes_total)}) in {escape(r.dest)} match {escape(r.source)} "
+            console.print(f"{safe(host)}: {command}: [dim]no change[/]: {r.files_total} files "
+                          f"({human_bytes(r.bytes_total)}) in {safe(r.dest)} match {safe(r.source)} "
                           f"({r.seconds:.2f}s)", soft_wrap=True)
         else:
-            console.print(f"{escape(host)}: {command}: [green]done[/]: {escape(r.source)} -> {escape(r.dest)}",
+            console.print(f"{safe(host)}: {command}: [green]done[/]: {safe(r.source)} -> {safe(r.dest)}",
                           soft_wrap=True)
             console.print(f"  fetched {r.fetched} files ({human_bytes(r.bytes)}), skipped {r.skipped}, "
                           f"deleted {r.deleted}, in {r.seconds:.1f}s = {r.mb_per_s:.1f} MB/s"
@@ -59,7 +59,7 @@ def _render(host: str, r: TransferReport, command: str) -> None:
             if n:
                 more = f" and {n - len(names)} more" if n > len(names) else ""
                 console.print(f"  {n} file{'s' if n != 1 else ''} changed on the node since dfo wrote "
-                              f"{'them' if n != 1 else 'it'}, {what}: {escape(', '.join(names))}{more}", soft_wrap=True)
+                              f"{'them' if n != 1 else 'it'}, {what}: {safe(', '.join(names))}{more}", soft_wrap=True)
 
 
 def _run(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: bool, what: What, command: str,

@@ -90,11 +90,14 @@ def validate(loaded: LoadedJob, what: What) -> None:
 
 
 def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None] | None:
-    """AWS credentials from the controller (botocore's chain), or None: node's own, or anonymous.
+    """AWS credentials from the controller (botocore's chain), or None with ``s3.credentials: node``
+    (the node's own) or ``anonymous`` (unsigned requests, for a public bucket).
 
     The environment comes first in botocore's chain, so with AWS_ACCESS_KEY_ID and
-    AWS_SECRET_ACCESS_KEY set (and no s3.profile) they are used without importing botocore."""
-    if s3.credentials == "node":
+    AWS_SECRET_ACCESS_KEY set (and no s3.profile) they are used without importing botocore.
+    Finding none is a ConfigError (exit 2) before any host is touched: an unsigned request to a
+    private bucket would only come back as AccessDenied from the node, after the work before it."""
+    if s3.credentials != "controller":
         return None
     env = os.environ
     if not s3.profile and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
@@ -113,7 +116,10 @@ def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None
         raise ConfigError(f"{job_path}: cannot resolve S3 credentials: {type(exc).__name__}",
                           hint="check ~/.aws/config and the AWS_* variables") from None
     if frozen is None or not frozen.access_key:
-        return None
+        where = f"profile {s3.profile!r} in ~/.aws" if s3.profile else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws"
+        raise ConfigError(f"{job_path}: no S3 credentials found on this machine ({where}, SSO, ...)",
+                          hint="export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set s3.profile; "
+                               "s3.credentials: node uses the node's own; s3.credentials: anonymous for a public bucket")
     return {"access_key": frozen.access_key, "secret_key": frozen.secret_key, "session_token": frozen.token}
 
 
