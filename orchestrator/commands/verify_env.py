@@ -7,6 +7,8 @@ from typing import Any
 import click
 from rich.table import Table
 
+from remote.fsutil import human_bytes
+
 from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
 from ..steps.verify_env import VerifyReport, verify_env
@@ -16,7 +18,7 @@ from .runs_view import dfo_cmd
 def _gib(n: int | None) -> str:
     if n is None:
         return "?"
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return human_bytes(n)
 
 
 def render(host: str, r: VerifyReport) -> None:

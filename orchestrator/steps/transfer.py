@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from rich.console import Console
 
+from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
+
 from ..agent import run_module
 from ..config import LoadedJob, S3Config
 from ..connection import Connection
@@ -234,11 +236,3 @@ class ProgressView:
                     self.progress.update(self._tasks[host], completed=int(ev.get("bytes") or 0),
                                          files=f"{ev.get('files', 0)}/{ev.get('files_total', 0)} files")
         return on_event
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} TiB"
