@@ -6,6 +6,8 @@ inventory/job file; 3 verification failed; 4 host unreachable / auth / host key;
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
 EXIT_USAGE = 2
@@ -20,11 +22,14 @@ class DfoError(Exception):
     exit_code = EXIT_UNEXPECTED
     kind = "error"
 
-    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.host = host
         self.hint = hint
+        # the node's whole error document, when the error came from a remote module (else None)
+        self.details: dict[str, Any] | None = details
 
     def render(self) -> str:
         head = f"{self.host}: {self.message}" if self.host else self.message
@@ -59,6 +64,11 @@ class HostError(DfoError):
     kind = "unreachable"
 
 
+class ConnectionLost(HostError):
+    """An open connection died while a call ran (no keepalive answer, reset, closed channel).
+    Its JSON kind stays "unreachable" (the CLI contract); callers tell it apart by its class."""
+
+
 class HostKeyError(HostError):
     """The host presented a key that differs from the one dfo recorded."""
 
@@ -70,6 +80,18 @@ class RemoteCommandError(DfoError):
 
     exit_code = EXIT_UNEXPECTED
     kind = "remote"
+
+
+class NoResult(RemoteCommandError):
+    """A remote module ended without its framed result (a crash, or a login file ate stdout)."""
+
+    kind = "no_result"
+
+
+class AgentMissing(RemoteCommandError):
+    """dfo's remote code could not be put on the node (no writable $HOME, no tar)."""
+
+    kind = "agent_missing"
 
 
 class RunFailed(DfoError):
