@@ -43,6 +43,11 @@ def resolve(req):
     runs = rec.list_runs(root, req.get("job"))
     want = req.get("run")
     where = "under %s" % root
+    if want is not None and not str(want).strip():
+        # an empty id is a script's unset variable, never "the newest run"
+        raise RemoteError("usage", "the run id is empty", hint="give a run id or its unique prefix")
+    if want is None and req.get("op") == "stop":
+        raise RemoteError("usage", "stop needs a run id", hint="dfo status -H HOST lists the runs")
     if not want:
         if not runs:
             raise RemoteError("usage", "no runs %s%s" % (where, " for job %s" % req["job"] if req.get("job") else ""),
