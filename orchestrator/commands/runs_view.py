@@ -45,7 +45,9 @@ class LogLines:
         """dfo's own remarks (uploads, reconnects): stderr, so stdout stays the log."""
         def out(text: str) -> None:
             with OUT:
-                err_console.print(f"[dim]dfo: {safe(f'{host}: {text}' if self.multi else text)}[/]", soft_wrap=True)
+                named = text.startswith(f"{host}: ")  # a note that names its host already
+                err_console.print(f"[dim]dfo: {safe(f'{host}: {text}' if self.multi and not named else text)}[/]",
+                                  soft_wrap=True)
         return out
 
 
