@@ -1,4 +1,10 @@
-"""The dfo command line: thin click commands over the library (load models -> call a step -> render)."""
+"""The dfo command line: thin click commands over the library (load models -> call a step -> render).
+
+Start-up is lazy: `dfo --help`, `dfo --version` and a mistyped command import only click. A command's
+module (and with it pydantic, paramiko, rich, ...) is imported when that command runs or shows its own
+help; the table below gives each command's module and the one line `dfo --help` shows for it
+(tests/test_startup.py checks the table against the commands themselves).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +15,63 @@ import sys
 import click
 
 from . import __version__
-from .cli_common import clean, print_json, report_error
 from .errors import EXIT_UNEXPECTED, DfoError
 
-# module -> the click commands it exports as COMMANDS; order is the order of `dfo --help`
-COMMAND_MODULES = ["verify_env", "provision", "data", "runs", "up", "demo"]
+# name -> (module under orchestrator.commands, attribute, short help); the order of `dfo --help`
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "verify-env": ("verify_env", "verify_env_cmd", "Probe nodes and check the job's environment; change nothing."),
+    "provision": ("provision", "provision_cmd",
+                  "Build the job's Python environment on each node, verifying every install."),
+    "stage-model": ("data", "stage_model",
+                    "Put the job's model.source at model.dest on each node (normally under /dev/shm)."),
+    "sync-data": ("data", "sync_data", "Copy the job's data.source (s3://bucket/prefix/) to data.dest on each node."),
+    "launch": ("runs", "launch_cmd", "Start the job's run.command detached on the node and watch its first seconds."),
+    "tail": ("runs", "tail_cmd",
+             "Follow a run's log until the run ends (RUN: an id or its unique prefix; default: the newest run)."),
+    "status": ("runs", "status_cmd",
+               "The runs on each host, newest first: id, job, state, started, duration, exit code, last line."),
+    "stop": ("runs", "stop_cmd", "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
+    "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
+    "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
+}
+
+
+def load_command(name: str) -> click.Command:
+    """The click command `name`, importing its module now."""
+    module, attr, _ = COMMANDS[name]
+    return getattr(importlib.import_module(f"orchestrator.commands.{module}"), attr)  # type: ignore[no-any-return]
 
 
 class DfoGroup(click.Group):
+    """A click group whose commands are imported only when one of them is used."""
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        order = ["verify-env", "provision", "stage-model", "sync-data", "launch", "tail", "status", "stop",
-                 "up", "demo"]
-        names = super().list_commands(ctx)
-        return [n for n in order if n in names] + [n for n in names if n not in order]
+        return [*COMMANDS, *(n for n in super().list_commands(ctx) if n not in COMMANDS)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            self.add_command(load_command(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name = click.utils.make_str(args[0])
+        if name not in COMMANDS and name not in self.commands and not ctx.resilient_parsing:
+            if name.startswith("-"):
+                self.parse_args(ctx, args)  # an option: let click say what is wrong with it
+            raise click.exceptions.NoSuchCommand(name, possibilities=self.list_commands(ctx), ctx=ctx)
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = []
+        for n in names:
+            if n in COMMANDS:  # from the table: no import
+                rows.append((n, click.utils.make_default_short_help(COMMANDS[n][2], limit)))
+            elif (cmd := self.get_command(ctx, n)) is not None and not cmd.hidden:
+                rows.append((n, cmd.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 @click.group(cls=DfoGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -47,17 +97,6 @@ def cli(ctx: click.Context, inventory: str | None) -> None:
     ctx.obj["inventory"] = inventory
 
 
-for _mod in COMMAND_MODULES:
-    try:
-        _m = importlib.import_module(f"orchestrator.commands.{_mod}")
-    except ModuleNotFoundError as _exc:  # a command family not built yet
-        if _exc.name != f"orchestrator.commands.{_mod}":
-            raise
-        continue
-    for _cmd in getattr(_m, "COMMANDS", []):
-        cli.add_command(_cmd)
-
-
 def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="dfo", standalone_mode=False)
@@ -68,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(2)
     except DfoError as exc:
+        from .cli_common import print_json, report_error  # rich: only once there is something to show
+
         report_error(exc)
         if "--json" in (argv if argv is not None else sys.argv[1:]):
             print_json({"ok": False, "error": exc.to_json()})  # --json: stdout always holds a document
@@ -78,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback for the user
         if os.environ.get("DFO_DEBUG"):
             raise
+        from .cli_common import clean
+
         sys.stderr.write(f"error: unexpected {type(exc).__name__}: {clean(exc)}\n  set DFO_DEBUG=1 for a traceback\n")
         sys.exit(EXIT_UNEXPECTED)
     sys.exit(rv if isinstance(rv, int) else 0)
