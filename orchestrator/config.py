@@ -218,6 +218,14 @@ class DataConfig(Strict):
     delete: bool = False
 
 
+class CodeConfig(Strict):
+    """code: a local folder pushed to the node before every launch (dfo sync-code; docs/code.md)."""
+
+    source: str = "."  # relative to the job file; in a git work tree: what git would commit
+    dest: str | None = None  # on the node; default run.workdir
+    exclude: list[str] = []  # more gitignore-style patterns
+
+
 class RunConfig(Strict):
     workdir: str = "/root"
     upload: list[str] = []
@@ -250,6 +258,7 @@ class Job(Strict):
     s3: S3Config = S3Config()
     model: ModelConfig | None = None
     data: DataConfig | None = None
+    code: CodeConfig | None = None
     run: RunConfig | None = None
 
     @field_validator("name")
