@@ -7,7 +7,7 @@ weed is not installed, or when asked for (tests/test_hardening_s3compat.py runs 
 both): it starts faster (0.2 s vs ~1.2 s) but gives multipart objects a whole-object MD5 ETag,
 answers a ranged GET with 200 (not 206) with the right Content-Range and partial body, ignores
 If-Match (no 412 for a stale ETag), has no partNumber, and sends the whole object's checksum with
-a ranged GET (so its client() turns boto3's response checksum validation down to "when_required");
+a ranged GET (so its clients turn botocore's response checksum validation down to "when_required");
 tests of such details check `endpoint.server`.
 
 FaultProxy, at the end, stands in front of either and misbehaves on purpose (a server that ignores
@@ -62,40 +62,52 @@ class S3Endpoint:
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.url}
 
-    def client(self) -> Any:
-        """A boto3 S3 client (path-style addressing, no retries hiding failures)."""
-        import boto3
+    def _config(self) -> Any:
         from botocore.config import Config
 
         extra: dict[str, str] = {}
         if self.server == "rclone":  # it sends whole-object checksums with ranged GETs
             extra = {"response_checksum_validation": "when_required",
                      "request_checksum_calculation": "when_required"}
+        return Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2},
+                      connect_timeout=5, read_timeout=60, **extra)
+
+    def core_client(self) -> Any:
+        """A botocore S3 client (path-style addressing, no retries hiding failures): what the testbed
+        and the demo fill buckets with, so that dfo itself never needs boto3 (a test-only package)."""
+        import botocore.session
+
+        return botocore.session.Session().create_client(
+            "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config())
+
+    def client(self) -> Any:
+        """A boto3 S3 client, for tests (its upload_file and TransferConfig); boto3 is in the test extra."""
+        import boto3
+
         return boto3.client(
             "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region,
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2},
-                          connect_timeout=5, read_timeout=60, **extra),
-        )
+            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config())
 
     def create_bucket(self, name: str) -> None:
-        c = self.client()
+        c = self.core_client()
         try:
             c.create_bucket(Bucket=name)
         except c.exceptions.BucketAlreadyOwnedByYou:
             pass
 
     def put_bytes(self, bucket: str, key: str, data: bytes) -> None:
-        self.client().put_object(Bucket=bucket, Key=key, Body=data)
+        self.core_client().put_object(Bucket=bucket, Key=key, Body=data)
 
     def put_tree(self, bucket: str, prefix: str, local_dir: Path | str) -> list[str]:
         """Upload every file under local_dir to s3://bucket/prefix/<relative path>; returns the keys."""
-        c = self.client()
+        c = self.core_client()
         root = Path(local_dir)
         keys: list[str] = []
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             key = "/".join(x for x in (prefix.strip("/"), path.relative_to(root).as_posix()) if x)
-            c.upload_file(str(path), bucket, key)
+            with path.open("rb") as f:  # one PUT per file (up to 5 GiB; the testbed's files are small)
+                c.put_object(Bucket=bucket, Key=key, Body=f)
             keys.append(key)
         return keys
 
@@ -184,7 +196,7 @@ class S3Server:
 
     def _wait_writable(self, endpoint: S3Endpoint, deadline: float) -> None:
         """Ready means a bucket can be created, written, read and removed, not just a port open."""
-        c = endpoint.client()
+        c = endpoint.core_client()
         bucket = "dfo-ready-" + secrets.token_hex(4)
         last = ""
         while time.monotonic() < deadline:

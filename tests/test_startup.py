@@ -81,3 +81,49 @@ def test_help_lists_the_table_in_order() -> None:
     assert res.exit_code == 0
     lines = [ln.split()[0] for ln in res.output.split("Commands:")[1].splitlines() if ln.strip()]
     assert lines == list(cli_mod.COMMANDS)
+
+
+# ------------------------------------------------------------------ part 4: boto3 is test-only
+
+NO_BOTO3 = """
+import sys
+sys.modules["boto3"] = None  # import boto3 fails: what a plain `pip install dfo-orchestrator` has
+from pathlib import Path
+from orchestrator.testbed_s3 import S3Server
+srv = S3Server(Path(sys.argv[1]), "127.0.0.1")
+ep = srv.start()
+try:
+    tree = Path(sys.argv[1]) / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("alpha")
+    (tree / "sub" / "b.txt").write_text("beta")
+    ep.create_bucket("nob3")
+    ep.create_bucket("nob3")  # again: already yours is fine
+    print(ep.put_tree("nob3", "p", tree))
+    ep.put_bytes("nob3", "one", b"1")
+    c = ep.core_client()
+    print(sorted(o["Key"] for o in c.list_objects_v2(Bucket="nob3")["Contents"]))
+    print(c.get_object(Bucket="nob3", Key="p/sub/b.txt")["Body"].read())
+finally:
+    srv.stop()
+"""
+
+
+def test_testbed_s3_fills_buckets_without_boto3(tmp_path: Path) -> None:
+    from orchestrator.testbed_s3 import S3Server
+
+    if S3Server.missing():
+        pytest.skip(S3Server.missing())
+    r = subprocess.run([sys.executable, "-c", NO_BOTO3, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["['p/a.txt', 'p/sub/b.txt']", "['one', 'p/a.txt', 'p/sub/b.txt']", "b'beta'"]
+
+
+def test_boto3_is_not_a_runtime_dependency() -> None:
+    import tomllib
+
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in proj["dependencies"]]
+    assert "boto3" not in names and "botocore" in names
+    assert any(d.lower().startswith("boto3") for d in proj["optional-dependencies"]["test"])
