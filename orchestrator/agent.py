@@ -23,7 +23,16 @@ import remote
 from remote._proto import RESULT_PREFIX, split_frame
 
 from .connection import Connection, Result
-from .errors import ConfigError, DfoError, HostError, RemoteCommandError, RunFailed, VerifyError
+from .errors import (
+    AgentMissing,
+    ConfigError,
+    DfoError,
+    HostError,
+    NoResult,
+    RemoteCommandError,
+    RunFailed,
+    VerifyError,
+)
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
 NEED_UPLOAD = 97
@@ -66,7 +75,7 @@ def upload_agent(conn: Connection) -> None:
     )
     res = conn.run(cmd, stdin=data, timeout=120)
     if res.exit_code != 0:
-        raise RemoteCommandError(f"could not upload dfo's remote code: {plain_tail(res.stderr, 300)}", host=conn.name,
+        raise AgentMissing(f"could not upload dfo's remote code: {plain_tail(res.stderr, 300)}", host=conn.name,
                                  hint="is $HOME writable and tar installed on the node?")
 
 
@@ -88,10 +97,6 @@ _ERR_CLASSES: dict[str, type[DfoError]] = {
     "unreachable": HostError,
     "run_failed": RunFailed,
 }
-
-
-class NoResultError(RemoteCommandError):
-    """The remote module's output held no result frame (it died, or something ate its stdout)."""
 
 
 # ANSI sequences a login shell prints (colours, terminal titles), then any other control character
@@ -119,7 +124,7 @@ def parse_output(conn: Connection, res: Result, module: str) -> Any:
             break
     else:
         tail = plain_tail(res.stderr.strip() or res.stdout.strip())
-        raise NoResultError(f"{module} gave no result (exit {res.exit_code})" + (f": {tail}" if tail else ""),
+        raise NoResult(f"{module} gave no result (exit {res.exit_code})" + (f": {tail}" if tail else ""),
                             host=conn.name, hint=_NO_RESULT_HINT.format(host=conn.name) if res.exit_code == 0 else None)
     if not isinstance(doc, dict):
         raise RemoteCommandError(f"{module} gave a malformed result (exit {res.exit_code})", host=conn.name)
@@ -127,9 +132,7 @@ def parse_output(conn: Connection, res: Result, module: str) -> Any:
         return doc.get("data")
     err = doc.get("error") or {}
     cls = _ERR_CLASSES.get(err.get("kind", ""), RemoteCommandError)
-    exc = cls(err.get("message", "remote error"), host=conn.name, hint=err.get("hint"))
-    exc.details = err  # type: ignore[attr-defined]
-    raise exc
+    raise cls(err.get("message", "remote error"), host=conn.name, hint=err.get("hint"), details=err)
 
 
 _NO_RESULT_HINT = ("if a login file on the node (~/.bashrc, /etc/bash.bashrc) redirects or swallows stdout, "

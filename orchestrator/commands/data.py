@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import textwrap
 import threading
-from typing import Any
 
 import click
 
@@ -72,10 +71,7 @@ def _run(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: boo
 
         outcomes = s.each(one)
 
-    def to_json(r: Any) -> dict[str, Any]:
-        return r.to_json()
-
-    return emit(outcomes, as_json, to_json, lambda host, r: _render(host, r, command))
+    return emit(outcomes, as_json, TransferReport.model_dump, lambda host, r: _render(host, r, command))
 
 
 @click.command("sync-data")

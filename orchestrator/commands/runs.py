@@ -27,7 +27,7 @@ from ..cli_common import (
 from ..config import LoadedJob, RunConfig, load_job
 from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, DfoError, HostError, UsageError
+from ..errors import EXIT_RUN, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
 from .preflight import check_run
 from .runs_view import (
@@ -131,7 +131,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
         try:
             info = steps.launch(conn, loaded, force=force)
         except DfoError as exc:
-            live = (getattr(exc, "details", None) or {}).get("running")
+            live = (exc.details or {}).get("running")
             if live:  # refused: the job already runs here; say how to reach that run
                 exc.hint = (f"follow it: {cmd('tail', conn.name, str(live))}; stop it: {cmd('stop', conn.name, str(live))}; "
                             "or launch anyway with --force")
@@ -158,9 +158,8 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
             try:
                 final = steps.follow(conn, _workspace(conn, loaded), run=info.id, lines="+1", max_seconds=window,
                                      on_line=on_line, on_note=lines.note(conn.name), reconnect_budget_s=10)
-            except HostError as exc:
-                if "resume with:" in (exc.hint or ""):
-                    exc.hint = f"the run is not affected; resume with: {cmd('tail', conn.name, info.id)}"
+            except ConnectionLost as exc:  # the watch gave up reconnecting
+                exc.hint = f"the run is not affected; resume with: {cmd('tail', conn.name, info.id)}"
                 raise
         return Launched(info, final, list(seen), time.monotonic() - t0)
 
@@ -281,7 +280,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     code = 0
     for o in outcomes:
         if o.error is not None:
-            if isinstance(o.error, HostError) and "resume with:" in (o.error.hint or ""):
+            if isinstance(o.error, ConnectionLost):
                 o.error.hint = f"the run is not affected; resume with: {resume(o.host)}"
             report_error(o.error)
             code = max(code, o.error.exit_code)

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..agent import NoResultError, run_module
+from ..agent import run_module
 from ..connection import Connection
-from ..errors import DfoError, HostError, HostKeyError, RemoteCommandError
+from ..errors import ConnectionLost, DfoError, HostError, HostKeyError, NoResult, RemoteCommandError
 
 MODULE = "remote.runs"
 HEARTBEAT_S = 2.0
@@ -206,7 +206,7 @@ def stream(
                                   on_event=on_event)
             except HostKeyError:
                 raise  # a changed key is no dropped link: never retried
-            except NoResultError as exc:
+            except NoResult as exc:
                 if st.started:
                     raise
                 raise _never_started(conn.name, exc.message) from None
@@ -217,7 +217,7 @@ def stream(
                 why = f"nothing heard for {stall_s:g}s" if dog.fired else exc.message
                 resume = f"dfo tail -H {conn.name} {st.run or ''}".rstrip()
                 if time.monotonic() - lost_since > reconnect_budget_s:
-                    raise HostError(f"lost the connection for over {reconnect_budget_s:g}s: {why}", host=conn.name,
+                    raise ConnectionLost(f"lost the connection for over {reconnect_budget_s:g}s: {why}", host=conn.name,
                                     hint=f"the run is not affected; resume with: {resume}") from None
                 if on_note:
                     on_note(f"connection to {conn.name} lost ({why}); reconnecting")
@@ -247,7 +247,7 @@ def _reconnect(conn: Connection, attempt: int, lost_since: float, budget: float,
             raise
         except DfoError as exc:
             if time.monotonic() - lost_since > budget:
-                raise HostError(f"lost the connection and could not reconnect for {budget:g}s: {exc.message}",
+                raise ConnectionLost(f"lost the connection and could not reconnect for {budget:g}s: {exc.message}",
                                 host=conn.name, hint=f"the run is not affected; resume with: {resume}") from None
             continue
         return attempt

@@ -116,7 +116,7 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
     try:
         data = run_module(conn, "remote.provision", req, timeout=timeout, on_event=on_event)
     except DfoError as exc:
-        details = getattr(exc, "details", None) or {}
+        details = exc.details or {}
         rep = details.get("report")
         if not isinstance(rep, dict):
             exc.message, exc.hint = redact(exc.message), exc.hint and redact(exc.hint)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rich.console import Console
 
 from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
@@ -25,7 +25,7 @@ from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-
 from ..agent import run_module
 from ..config import LoadedJob, S3Config
 from ..connection import Connection
-from ..errors import ConfigError, HostError, RemoteCommandError
+from ..errors import ConfigError, HostError, HostKeyError, NoResult
 from .runs import job_workspace
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
@@ -33,17 +33,20 @@ What = Literal["data", "model"]
 
 
 class TransferReport(BaseModel):
-    host: str
-    what: str
+    """One host's transfer; its serialisation (model_dump) is the --json document for that host."""
+
+    host: str = Field(exclude=True)
+    what: str = Field(exclude=True)
+    ok: bool = True
     status: str  # "done" | "no change"
-    source: str
-    dest: str
     fetched: int
     skipped: int
     deleted: int
     bytes: int
     seconds: float
     mb_per_s: float
+    dest: str
+    source: str
     files_total: int
     bytes_total: int
     verified: dict[str, int] = {}
@@ -51,13 +54,6 @@ class TransferReport(BaseModel):
     changed_files: list[str] = []  # the first names, sorted
     kept: int = 0  # --delete left them: gone from the source, but changed on the node since dfo wrote them
     kept_files: list[str] = []
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": True, "status": self.status, "fetched": self.fetched, "skipped": self.skipped,
-                "deleted": self.deleted, "bytes": self.bytes, "seconds": self.seconds, "mb_per_s": self.mb_per_s,
-                "dest": self.dest, "source": self.source, "files_total": self.files_total,
-                "bytes_total": self.bytes_total, "verified": self.verified, "changed": self.changed,
-                "changed_files": self.changed_files, "kept": self.kept, "kept_files": self.kept_files}
 
 
 # --------------------------------------------------------------------------- the job
@@ -168,20 +164,21 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
     # what the node refuses to sync into (remote/s3dest.py): the workspace root, a dest holding the venv
     request = dict(request, workspace=job_workspace(loaded.job, conn.host.workspace), venv=loaded.job.venv)
+    stopped = HostError(f"the {what} transfer on the node stopped without a result (the SSH connection "
+                        "dropped, or its process was killed)", host=conn.name,
+                        hint="finished files are kept; run the same command again to fetch the rest")
     try:
         data = run_module(conn, module, request, python=python, timeout=TRANSFER_TIMEOUT_S, on_event=on_event)
+    except HostKeyError:
+        raise
     except HostError as exc:
-        if "lost" not in exc.message:
-            raise
-        raise HostError(f"the {what} transfer on the node stopped without a result ({exc.message})", host=conn.name,
-                        hint="finished files are kept; run the same command again to fetch the rest") from None
-    except RemoteCommandError as exc:
-        if getattr(exc, "details", None) is not None or "gave no result" not in exc.message:
-            raise
-        # no framed result at all: the SSH session died under it, or its process was killed
-        raise HostError(f"the {what} transfer on the node stopped without a result (the SSH connection "
-                        "dropped, or its process was killed)", host=conn.name,
-                        hint="finished files are kept; run the same command again to fetch the rest") from None
+        if exc.details is not None:
+            raise  # the node's own answer (the S3 endpoint unreachable): as it is
+        # the link died under the call (ConnectionLost; a plain HostError before connection.py raises it)
+        stopped.message = f"the {what} transfer on the node stopped without a result ({exc.message})"
+        raise stopped from None
+    except NoResult:
+        raise stopped from None  # no framed result at all: the session died under it, or its process was killed
     status = data.get("status") or ("no change" if not data["fetched"] and not data.get("deleted") else "done")
     return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
         "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
