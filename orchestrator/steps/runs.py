@@ -176,6 +176,11 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
     rid = run_id or new_run_id(job.name)
     plain, secret = split_env(loaded)
     uploads = collect_uploads(loaded)
+    if job.code is not None and (force or all(r.state != "running" for r in status(conn, workspace, job=job.name))):
+        # code: first; a live run's code is left alone (its launch is refused below)
+        from .code import push_code
+
+        push_code(conn, loaded)
     req: dict[str, Any] = {
         "op": "launch", "workspace": workspace, "run_id": rid, "job": job.name, "host": conn.host.name,
         "command": render_command(job, run_id=rid, workspace=workspace), "workdir": run.workdir,

@@ -1,0 +1,262 @@
+"""The local side of sync-code: which files are the code, their content hashes, and warnings.
+
+In a git work tree the code is what git would commit, as the work tree is now: ``git ls-files
+--cached --others --exclude-standard`` (tracked files, plus untracked ones .gitignore does not
+exclude), less files deleted from the work tree. Outside git it is every file under the source.
+Then, always: ``code.exclude`` (gitignore-style patterns) and names dfo never pushes (``.git/``
+and any name starting with ``.dfo``). Outside git, .gitignore files are not read (dfo is not git:
+a partial emulation would differ in corners); list such names in ``code.exclude``.
+
+Hashes (sha256) are cached by (size, mtime_ns, inode) in ~/.cache/dfo/code/, so a push with
+nothing changed reads no file content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from remote.fsutil import human_bytes, write_atomic
+
+from ..errors import ConfigError
+
+BIG_FILE = 100 * 1000 * 1000  # bytes: a file over this is warned about before it travels
+BIG_TREE = 10_000  # files: a tree over this is warned about before it travels
+
+
+@dataclass
+class LocalFile:
+    size: int
+    mode: int | None  # 0o755 or 0o644 (git's view: only the executable bit); None for a symlink
+    link: str | None  # a symlink's target (relative, inside the tree)
+    sha256: str | None = None
+    key: tuple[int, int, int] = (0, 0, 0)  # (size, mtime_ns, inode) for the hash cache
+
+
+# --------------------------------------------------------------------------- gitignore-style patterns
+
+
+def _glob_regex(pat: str) -> str:
+    out, i = [], 0
+    while i < len(pat):
+        c = pat[i]
+        if pat.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+            continue
+        if pat.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = pat.find("]", i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+            else:
+                body = pat[i + 1:j]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+                i = j
+        elif c == "\\" and i + 1 < len(pat):
+            i += 1
+            out.append(re.escape(pat[i]))
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+class Excluder:
+    """gitignore-style patterns: ``*``, ``?``, ``[..]``, ``**``; a leading ``/`` or a ``/`` inside
+    anchors at the source folder, else the pattern matches a name at any depth; a trailing ``/``
+    matches folders only; ``!`` re-includes. A pattern that matches a folder excludes all below it;
+    the last pattern that matches a path decides."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.rules: list[tuple[re.Pattern[str], bool, bool]] = []
+        for raw in patterns:
+            p = raw.strip()
+            if not p or p.startswith("#"):
+                continue
+            neg = p.startswith("!")
+            p = p[1:] if neg else p
+            dir_only = p.endswith("/")
+            p = p.rstrip("/")
+            anchored = "/" in p
+            p = p.lstrip("/")
+            rx = _glob_regex(p)
+            self.rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
+
+    def excluded(self, rel: str) -> bool:
+        if not self.rules:
+            return False
+        parts = rel.split("/")
+        dirs = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        out = False
+        for rx, neg, dir_only in self.rules:
+            cands = dirs if dir_only else [*dirs, rel]
+            if any(rx.fullmatch(c) for c in cands):
+                out = not neg
+        return out
+
+
+def never_pushed(rel: str) -> bool:
+    return any(p == ".git" or p.startswith(".dfo") for p in rel.split("/"))
+
+
+# --------------------------------------------------------------------------- listing
+
+
+def _git_files(source: Path) -> list[str] | None:
+    """What git would commit under ``source`` (relative to it), or None outside a git work tree."""
+    try:
+        res = subprocess.run(["git", "-c", "core.quotepath=off", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], cwd=source, capture_output=True, timeout=120)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    return list(dict.fromkeys(os.fsdecode(n) for n in res.stdout.split(b"\0") if n))
+
+
+def _walk(source: Path) -> list[str]:
+    out: list[str] = []
+    stack = [""]
+    while stack:
+        d = stack.pop()
+        with os.scandir(source / d if d else source) as it:
+            for e in it:
+                rel = f"{d}/{e.name}" if d else e.name
+                if e.name == ".git" or e.name.startswith(".dfo"):
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                else:
+                    out.append(rel)
+    return out
+
+
+def _check_name(source: Path, rel: str) -> None:
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"code: {source / rel!r} is not a UTF-8 name; dfo pushes UTF-8 names only",
+                          hint="rename it, or add it to code.exclude") from None
+
+
+def _link_target(source: Path, real_source: str, rel: str) -> str:
+    """A symlink's target, refused (exit 2, naming it) unless it stays inside the tree."""
+    target = os.readlink(source / rel)
+    lexical = os.path.normpath(os.path.join(os.path.dirname(rel), target))
+    real = os.path.realpath(source / rel)
+    inside = real == real_source or real.startswith(real_source.rstrip("/") + "/")
+    if os.path.isabs(target) or lexical == ".." or lexical.startswith("../") or not inside:
+        raise ConfigError(f"code: symlink {rel} -> {target} points outside {source}; dfo pushes only symlinks "
+                          "that stay inside the tree", hint="add it to code.exclude, or make the link relative and "
+                                                            "inside the code folder")
+    return target
+
+
+def list_code(source: Path, exclude: list[str]) -> tuple[dict[str, LocalFile], bool]:
+    """rel -> LocalFile (hashes not yet filled), and whether git chose the files."""
+    names = _git_files(source)
+    in_git = names is not None
+    ex = Excluder(exclude)
+    real_source = os.path.realpath(source)
+    files: dict[str, LocalFile] = {}
+    for rel in names if names is not None else _walk(source):
+        if never_pushed(rel) or ex.excluded(rel):
+            continue
+        try:
+            st = os.lstat(source / rel)
+        except FileNotFoundError:
+            continue  # deleted from the work tree: gone, as git would commit it
+        _check_name(source, rel)
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if stat.S_ISLNK(st.st_mode):
+            files[rel] = LocalFile(0, None, _link_target(source, real_source, rel), key=key)
+        elif stat.S_ISREG(st.st_mode):
+            files[rel] = LocalFile(st.st_size, 0o755 if st.st_mode & 0o100 else 0o644, None, key=key)
+        # a folder here is a git submodule: its files are not pushed (documented)
+    return files, in_git
+
+
+# --------------------------------------------------------------------------- hashes
+
+
+def _cache_path(source: Path) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
+    return base / (hashlib.sha256(str(source).encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            buf = f.read(1 << 20)
+            if not buf:
+                return h.hexdigest()
+            h.update(buf)
+
+
+def fill_hashes(source: Path, files: dict[str, LocalFile]) -> None:
+    """sha256 of each file (a symlink's: of its target text), from the cache where (size, mtime_ns, inode) match."""
+    cpath = _cache_path(source)
+    try:
+        cache = json.loads(cpath.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    new: dict[str, list[object]] = {}
+    changed = False
+    for rel, f in files.items():
+        if f.link is not None:
+            f.sha256 = hashlib.sha256(f.link.encode("utf-8", "surrogateescape")).hexdigest()
+            continue
+        hit = cache.get(rel)
+        if isinstance(hit, list) and len(hit) == 4 and tuple(hit[:3]) == f.key:
+            f.sha256 = str(hit[3])
+        else:
+            f.sha256 = _sha256(source / rel)
+            changed = True
+        new[rel] = [*f.key, f.sha256]
+    if changed or len(new) != len(cache):
+        try:
+            cpath.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_atomic(str(cpath), json.dumps(new).encode("utf-8", "surrogateescape"))
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+
+
+def manifest_view(files: dict[str, LocalFile]) -> dict[str, dict[str, object]]:
+    return {rel: {"sha256": f.sha256, "mode": f.mode, "link": f.link} for rel, f in files.items()}
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def warnings(source: Path, files: dict[str, LocalFile], to_send: list[str]) -> list[str]:
+    """Big files about to travel, and a tree over BIG_TREE files when anything travels."""
+    out: list[str] = []
+    big = sorted(((files[r].size, r) for r in to_send if files[r].size > BIG_FILE), reverse=True)
+    if big:
+        names = ", ".join(f"{r} ({human_bytes(s)})" for s, r in big[:5]) + (f" and {len(big) - 5} more" if len(big) > 5 else "")
+        out.append(f"code: {len(big)} file{'s' if len(big) != 1 else ''} over {BIG_FILE // 1_000_000} MB in {source}: "
+                   f"{names}; did you mean to exclude {'them' if len(big) != 1 else 'it'}? (code.exclude)")
+    if to_send and len(files) > BIG_TREE:
+        per: dict[str, int] = {}
+        for rel in files:
+            top = rel.split("/")[0] + "/" if "/" in rel else "(top level)"
+            per[top] = per.get(top, 0) + 1
+        tops = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+        out.append(f"code: {len(files)} files in {source} (over {BIG_TREE:,}); biggest folders: "
+                   + ", ".join(f"{d} ({n} files)" for d, n in tops) + "; did you mean to exclude some? (code.exclude)")
+    return out

@@ -1,0 +1,292 @@
+"""The node side of ``dfo sync-code`` (python3 3.8+, stdlib only).
+
+Two operations, each one SSH command; the request is the first line of stdin (JSON):
+
+* ``state``: the node's code manifest (DEST/.dfo/code-manifest.json), which of its files are no
+  longer as dfo left them (size, mtime or inode changed, gone, a symlink retargeted), and whether
+  the whole tree already matches the controller's digest (then the answer is a few bytes).
+* ``push``: deletions first, then the changed files, whose bytes follow the request line on stdin
+  as one stream, in request order, ``size`` bytes each: no round trip per file. Each file is
+  written under DEST/.dfo/code-tmp/, its sha256 checked against the request, given its mode, then
+  renamed into place; a symlink is made under a temp name and renamed too. The manifest is written
+  last, atomically (remote.fsutil.write_atomic).
+
+Safety: every folder under DEST is opened relative to its parent with O_NOFOLLOW (remote.s3dest.Tree),
+so a symlink inside DEST is never followed. A path with an empty, ``.`` or ``..`` component, or a
+component starting with ``.dfo``, is refused. A file is deleted only if dfo pushed it (it is in the
+manifest) and it is still exactly as dfo left it; others are kept and reported.
+DEST may be $HOME (run.workdir is often /root): code lands beside what is there, and only what dfo
+pushed is ever deleted. Refused: ``/``, a path with a ``.dfo`` component, ~/.ssh and ~/.cache/dfo.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+import sys
+import time
+import traceback
+
+from remote._proto import RemoteError, emit_result
+from remote.fsutil import FILE_FLAGS, write_atomic
+from remote.s3dest import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
+
+MANIFEST = "code-manifest.json"
+TMP_DIR = "code-tmp"
+CHUNK = 1 << 20
+FIELD = "code.dest"
+
+
+def digest_of(files):
+    """One sha256 over the sorted (path, sha256, mode, link) of every file: equal digests, equal trees."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        e = files[rel]
+        h.update(("%s\0%s\0%s\0%s\n" % (rel, e.get("sha256") or "", e.get("mode") or 0, e.get("link") or "")).encode(
+            "utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def check_rel(rel):
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") or p.startswith(".dfo") for p in parts):
+        raise RemoteError("usage", "code: refused path %r (empty, absolute, '..' or a .dfo name)" % rel)
+
+
+def check_code_dest(dest):
+    """The real path of DEST, or a RemoteError "config" naming why it is refused."""
+    path = os.path.expanduser(dest)
+    if not path.startswith("/"):
+        refuse(FIELD, "%s is not an absolute path on the node" % dest, "for example /root/code or /workspace/code")
+    if any(p.startswith(".dfo") for p in path.split("/") if p):
+        refuse(FIELD, "%s lies inside a .dfo folder, where dfo keeps its own records" % dest)
+    real = os.path.realpath(path)
+    if real == "/":
+        refuse(FIELD, "%s is the root of the node's filesystem; pick a folder of its own" % dest)
+    home = _real("~")
+    if home and home != "/":
+        for sub in (".ssh", ".cache/dfo"):
+            guarded = os.path.join(home, sub)
+            if real == guarded or real.startswith(guarded + "/"):
+                refuse(FIELD, "%s is inside %s; pick a folder of its own" % (dest, guarded))
+    _check_ancestors(FIELD, real, os.geteuid())
+    return real
+
+
+def _lstat_at(tree, rel):
+    try:
+        return tree.lstat(rel)
+    except (RemoteError, OSError):
+        return None
+
+
+def _intact(tree, rel, entry):
+    """True when ``rel`` on the node is still what dfo wrote (inode, size, mtime; a link's target)."""
+    st = _lstat_at(tree, rel)
+    if st is None or st.st_ino != entry.get("ino") or st.st_mtime_ns != entry.get("mtime_ns"):
+        return False
+    if entry.get("link") is not None:
+        if not stat.S_ISLNK(st.st_mode):
+            return False
+        d, name = Tree.split(rel)
+        try:
+            return os.readlink(name, dir_fd=tree.dir(d)) == entry["link"]
+        except (OSError, RemoteError):
+            return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
+
+
+def _load_manifest(meta_fd):
+    if meta_fd is None:
+        return {}
+    try:
+        fd = os.open(MANIFEST, os.O_RDONLY | FILE_FLAGS, dir_fd=meta_fd)
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        try:
+            doc = json.loads(f.read().decode("utf-8", "surrogateescape"))
+        except ValueError:
+            return {}
+    files = doc.get("files") if isinstance(doc, dict) else None
+    return files if isinstance(files, dict) else {}
+
+
+class Dest:
+    def __init__(self, dest, create):
+        self.real = check_code_dest(dest)
+        self.tree = None
+        self.meta_fd = None
+        if not create and not os.path.isdir(self.real):
+            return
+        self.tree = Tree(self.real, open_dest(self.real, FIELD), FIELD)
+        self.meta_fd = _open_child(self.tree.fd, ".dfo", self.real, FIELD, 0o700, create, "the manifest")
+
+    def close(self):
+        if self.meta_fd is not None:
+            os.close(self.meta_fd)
+        if self.tree is not None:
+            self.tree.close()
+
+
+def op_state(req):
+    d = Dest(req["dest"], create=False)
+    try:
+        files = _load_manifest(d.meta_fd)
+        dirty = [rel for rel, e in files.items() if d.tree is None or not _intact(d.tree, rel, e)]
+        same = not dirty and bool(files) and digest_of(files) == req.get("digest")
+        out = {"dest": d.real, "same": same, "count": len(files)}
+        if not same:
+            out["files"] = {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}
+            out["dirty"] = dirty
+        return out
+    finally:
+        d.close()
+
+
+def _read_exact(stream, n, h, fd):
+    left = n
+    while left:
+        buf = stream.read(min(CHUNK, left))
+        if not buf:
+            raise RemoteError("usage", "code: the stream ended early (%d bytes missing)" % left)
+        h.update(buf)
+        view = memoryview(buf)
+        while view:
+            view = view[os.write(fd, view):]
+        left -= len(buf)
+
+
+def _clear_way(tree, rel):
+    """An empty folder where a file must go is removed; one that holds files is an error."""
+    d, name = Tree.split(rel)
+    fd = tree.dir(d, create=True)
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return fd, name
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            os.rmdir(name, dir_fd=fd)
+            tree.drop(rel)
+        except OSError:
+            raise RemoteError("config", "code: %s on the node is a folder with files dfo did not push; "
+                                        "it cannot become a file" % os.path.join(tree.dest, rel),
+                              hint="move that folder away on the node, or rename the file") from None
+    return fd, name
+
+
+def _delete(tree, files, rels):
+    deleted, kept = [], []
+    for rel in rels:
+        entry = files.get(rel)
+        if entry is None:
+            continue
+        st = _lstat_at(tree, rel)
+        if st is None:
+            del files[rel]
+            continue
+        if not _intact(tree, rel, entry):
+            kept.append(rel)
+            del files[rel]  # no longer what dfo pushed: no longer dfo's
+            continue
+        d, name = Tree.split(rel)
+        os.unlink(name, dir_fd=tree.dir(d))
+        del files[rel]
+        deleted.append(rel)
+        while d:  # folders left empty by the deletion go too (a folder that holds anything stays)
+            parent, base = Tree.split(d)
+            try:
+                os.rmdir(base, dir_fd=tree.dir(parent))
+            except OSError:
+                break
+            tree.drop(d)
+            d = parent
+    return deleted, kept
+
+
+def op_push(req, stream):
+    started = time.time()
+    d = Dest(req["dest"], create=True)
+    tree = d.tree
+    try:
+        files = _load_manifest(d.meta_fd)
+        for f in req.get("files", []):
+            check_rel(f["path"])
+        deleted, kept = _delete(tree, files, req.get("delete", []))
+        tmp_fd = _open_child(d.meta_fd, TMP_DIR, os.path.join(d.real, ".dfo"), FIELD, 0o700, True, "the manifest")
+        try:
+            for stale in os.listdir(tmp_fd):
+                os.unlink(stale, dir_fd=tmp_fd)
+            sent = nbytes = 0
+            for i, f in enumerate(req.get("files", [])):
+                rel = f["path"]
+                fd, name = _clear_way(tree, rel)
+                tmp = "p%d.%d" % (os.getpid(), i)
+                if f.get("link") is not None:
+                    os.symlink(f["link"], tmp, dir_fd=tmp_fd)
+                else:
+                    mode = 0o755 if f.get("mode") == 0o755 else 0o644
+                    wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=tmp_fd)
+                    h = hashlib.sha256()
+                    try:
+                        _read_exact(stream, int(f["size"]), h, wfd)
+                        os.fchmod(wfd, mode)
+                    finally:
+                        os.close(wfd)
+                    if h.hexdigest() != f["sha256"]:
+                        os.unlink(tmp, dir_fd=tmp_fd)
+                        raise RemoteError("verify", "code: %s arrived with sha256 %s, expected %s"
+                                          % (rel, h.hexdigest()[:16], f["sha256"][:16]))
+                    nbytes += int(f["size"])
+                try:
+                    os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    raise RemoteError("config", "code: %s is on another filesystem than %s/.dfo; dfo renames "
+                                      "files into place" % (os.path.join(d.real, rel), d.real)) from None
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                files[rel] = {"sha256": f.get("sha256"), "mode": f.get("mode"), "link": f.get("link"),
+                              "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+                sent += 1
+        finally:
+            os.close(tmp_fd)
+        doc = {"version": 1, "digest": digest_of(files), "files": files}
+        write_atomic(MANIFEST, json.dumps(doc, sort_keys=True).encode("utf-8", "surrogateescape"),
+                     dir_fd=d.meta_fd)
+        return {"dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
+                "kept_files": sorted(kept)[:10], "digest": doc["digest"], "count": len(files),
+                "seconds": round(time.time() - started, 3)}
+    finally:
+        d.close()
+
+
+def main():
+    stream = sys.stdin.buffer
+    try:
+        line = stream.readline()
+        req = json.loads(line.decode("utf-8", "surrogateescape") or "{}")
+        op = req.get("op")
+        if op == "state":
+            data = op_state(req)
+        elif op == "push":
+            data = op_push(req, stream)
+        else:
+            raise RemoteError("usage", "codepush: unknown op %r" % (op,))
+        emit_result({"ok": True, "data": data})
+    except RemoteError as exc:
+        err = {"kind": exc.kind, "message": exc.message}
+        err.update(exc.extra)
+        emit_result({"ok": False, "error": err})
+    except OSError as exc:
+        emit_result({"ok": False, "error": {"kind": "verify", "message": "code: %s" % exc}})
+    except Exception as exc:  # noqa: BLE001 - report, never a bare traceback
+        emit_result({"ok": False, "error": {"kind": "internal", "message": "%s: %s" % (type(exc).__name__, exc),
+                                            "traceback": traceback.format_exc(limit=8)}})
+
+
+if __name__ == "__main__":
+    main()

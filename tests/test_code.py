@@ -1,0 +1,199 @@
+"""dfo sync-code (and launch's push) against a real testbed node."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.steps.codetree import Excluder
+from orchestrator.testbed import Testbed
+from tests._runs_fixtures import dfo, inventory_copy
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+class Env:
+    def __init__(self, tb: Testbed, tmp: Path) -> None:
+        self.tb, self.tmp = tb, tmp
+        self.node = tb.nodes[0]
+        self.inv = inventory_copy(tb, tmp)
+        self.dest = f"/root/code-{secrets.token_hex(3)}"
+        self.src = tmp / "src"
+        self.src.mkdir()
+
+    def job(self, **code: Any) -> Path:
+        doc: dict[str, Any] = {"name": f"c-{secrets.token_hex(3)}", "venv": "/usr",
+                               "code": {"source": "src", "dest": self.dest, **code}}
+        p = self.tmp / "job.yaml"
+        p.write_text(yaml.safe_dump(doc))
+        return p
+
+    def sync(self, job: Path | None = None, expect: int = 0) -> dict[str, Any]:
+        r = dfo(self.inv, "sync-code", "-H", self.node.name, "-j", str(job or self.job()), "--json",
+                env={"XDG_CACHE_HOME": str(self.tmp / "cache")})
+        assert r.returncode == expect, r.stdout + r.stderr
+        doc = json.loads(r.stdout)["hosts"][self.node.name]
+        doc["_stderr"] = r.stderr
+        return doc
+
+    def sh(self, cmd: str) -> str:
+        r = self.tb.node_exec(self.node, cmd)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def node_files(self) -> list[str]:
+        out = self.sh(f"cd {self.dest} && find . -path ./.dfo -prune -o \\( -type f -o -type l \\) -print0")
+        return sorted(p[2:] for p in out.split("\0") if p)
+
+
+@pytest.fixture
+def env(testbed: Testbed, tmp_path: Path) -> Env:
+    return Env(testbed, tmp_path)
+
+
+def test_first_push_no_change_one_change(env: Env) -> None:
+    for i in range(30):
+        (env.src / f"pkg/m{i}.py" if i % 2 else env.src / f"f{i}.txt").parent.mkdir(exist_ok=True)
+        (env.src / (f"pkg/m{i}.py" if i % 2 else f"f{i}.txt")).write_text(f"x = {i}\n")
+    first = env.sync()
+    assert (first["status"], first["sent"], first["files_total"]) == ("done", 30, 30)
+    assert env.sh(f"cat {env.dest}/pkg/m3.py") == "x = 3\n"
+    again = env.sync()
+    assert (again["status"], again["sent"], again["bytes"], again["files_total"]) == ("no change", 0, 0, 30)
+    (env.src / "pkg/m5.py").write_text("x = 'changed'\n")
+    one = env.sync()
+    assert (one["status"], one["sent"], one["skipped"], one["bytes"]) == ("done", 1, 29, len("x = 'changed'\n"))
+    assert env.sh(f"cat {env.dest}/pkg/m5.py") == "x = 'changed'\n"
+    # a file changed on the node by hand is put back (the code folder is the truth for its own files)
+    env.sh(f"echo tampered > {env.dest}/f0.txt")
+    fixed = env.sync()
+    assert fixed["sent"] == 1 and env.sh(f"cat {env.dest}/f0.txt") == "x = 0\n"
+
+
+def test_deletion_only_of_what_dfo_pushed(env: Env) -> None:
+    for n in ("a.py", "b.py", "sub/c.py", "sub/d.py"):
+        (env.src / n).parent.mkdir(exist_ok=True)
+        (env.src / n).write_text(n)
+    env.sync()
+    env.sh(f"echo mine > {env.dest}/by-hand.txt && echo edited > {env.dest}/b.py")
+    for n in ("a.py", "b.py", "sub/c.py", "sub/d.py"):
+        (env.src / n).unlink()
+    r = env.sync()
+    assert r["deleted"] == 3 and r["kept"] == 1 and r["kept_files"] == ["b.py"]
+    assert env.node_files() == ["b.py", "by-hand.txt"]
+    assert env.sh(f"test -d {env.dest}/sub || echo gone") == "gone\n"  # emptied folder removed
+
+
+def test_exec_bit_symlinks_odd_names(env: Env) -> None:
+    odd = ["with space.py", "quo'te\".py", "$(touch PWNED).py", "ünïcode-日本.py", "new\nline.py", "-dash.py"]
+    for n in odd:
+        (env.src / n).write_text(repr(n))
+    run = env.src / "run.sh"
+    run.write_text("#!/bin/sh\necho ok\n")
+    run.chmod(0o755)
+    (env.src / "lib").mkdir()
+    (env.src / "lib/real.py").write_text("R = 1\n")
+    os.symlink("lib/real.py", env.src / "alias.py")
+    os.symlink("lib", env.src / "libdir")
+    r = env.sync()
+    assert r["sent"] == len(odd) + 4
+    assert env.sh(f"{env.dest}/run.sh") == "ok\n"
+    assert env.sh(f"stat -c %a {env.dest}/run.sh {env.dest}/lib/real.py") == "755\n644\n"
+    assert env.sh(f"readlink {env.dest}/alias.py; readlink {env.dest}/libdir") == "lib/real.py\nlib\n"
+    assert env.sh(f"cat {env.dest}/libdir/real.py") == "R = 1\n"
+    for n in odd:
+        got = env.tb.node_exec(env.node, f"cat {env.dest}/{_q(n)}")
+        assert got.returncode == 0 and got.stdout == repr(n), n
+    assert env.sh(f"ls -d {env.dest}/PWNED /root/PWNED /root/.cache/dfo/agent/*/PWNED 2>/dev/null || true") == ""
+    run.chmod(0o644)  # only the mode changed: it travels again
+    r2 = env.sync()
+    assert r2["sent"] == 1 and env.sh(f"stat -c %a {env.dest}/run.sh") == "644\n"
+
+
+def _q(name: str) -> str:
+    return "'" + name.replace("'", "'\\''") + "'"
+
+
+def test_symlink_outside_refused_with_its_name(env: Env) -> None:
+    (env.src / "ok.py").write_text("1")
+    os.symlink("../../etc/passwd", env.src / "leak")
+    r = env.sync(expect=2)
+    assert r["ok"] is False and "leak" in r["error"]["message"] and "outside" in r["error"]["message"]
+    os.unlink(env.src / "leak")
+    os.symlink("/etc/passwd", env.src / "abs-leak")
+    r = env.sync(expect=2)
+    assert "abs-leak" in r["error"]["message"]
+    assert env.tb.node_exec(env.node, f"test -e {env.dest}").returncode != 0  # nothing travelled
+
+
+def test_git_work_tree_and_dfo_names(env: Env) -> None:
+    src = env.src
+    git(src, "init", "-q")
+    (src / ".gitignore").write_text("*.log\nbuild/\n")
+    (src / "tracked.py").write_text("t")
+    (src / "gone.py").write_text("g")
+    (src / "ignored.log").write_text("no")
+    (src / "build").mkdir()
+    (src / "build/out.bin").write_text("no")
+    (src / ".dfo-local").write_text("never")
+    (src / "sub").mkdir()
+    (src / "sub/.dfo").mkdir()
+    (src / "sub/.dfo/x").write_text("never")
+    (src / "skip.tmp").write_text("excluded")
+    git(src, "add", "tracked.py", "gone.py", ".gitignore")
+    git(src, "commit", "-qm", "c")
+    (src / "untracked.py").write_text("u")
+    r = env.sync(env.job(exclude=["*.tmp"]))
+    assert r["in_git"] is True
+    assert env.node_files() == [".gitignore", "gone.py", "tracked.py", "untracked.py"]
+    (src / "gone.py").unlink()  # plain rm of a tracked file: gone, so deleted on the node
+    r = env.sync(env.job(exclude=["*.tmp"]))
+    assert r["deleted"] == 1 and env.node_files() == [".gitignore", "tracked.py", "untracked.py"]
+
+
+def test_big_tree_warned_before_it_travels(env: Env) -> None:
+    big = env.src / "dataset"
+    big.mkdir()
+    for i in range(10_001):
+        (big / f"{i}.txt").write_bytes(b"")
+    (env.src / "train.py").write_text("print(1)\n")
+    r = env.sync(env.job(exclude=["dataset/[1-9]*"]))  # excluded: under the limit, no warning
+    assert r["warnings"] == [] and r["sent"] == 2
+    r = env.sync()
+    assert r["sent"] == 10_000 and "did you mean to exclude" in r["_stderr"] and "dataset/ (10001 files)" in r["_stderr"]
+    assert len(r["warnings"]) == 1
+
+
+def test_launch_pushes_code_first(env: Env) -> None:
+    (env.src / "helpers").mkdir()
+    (env.src / "helpers/__init__.py").write_text("")
+    (env.src / "helpers/msg.py").write_text("TEXT = 'hello from the code folder'\n")
+    (env.src / "train.py").write_text("from helpers.msg import TEXT\nprint(TEXT, flush=True)\n")
+    doc = {"name": f"c-{secrets.token_hex(3)}", "venv": "/usr", "code": {"source": "src"},
+           "run": {"workdir": env.dest, "command": "python3 train.py", "wait": 0}}
+    job = env.tmp / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    r = dfo(env.inv, "launch", "-H", env.node.name, "-j", str(job), "--json", env={"XDG_CACHE_HOME": str(env.tmp)})
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"][env.node.name]["run"]
+    t = dfo(env.inv, "tail", "-H", env.node.name, run, "--no-follow")
+    assert "hello from the code folder" in t.stdout, t.stdout + t.stderr
+
+
+def test_excluder_patterns() -> None:
+    ex = Excluder(["*.log", "/top.txt", "build/", "docs/**/*.png", "!keep.log", "data/big?.bin"])
+    assert ex.excluded("a/b/x.log") and not ex.excluded("a/keep.log")
+    assert ex.excluded("top.txt") and not ex.excluded("sub/top.txt")
+    assert ex.excluded("build/x.py") and ex.excluded("a/build/y") and not ex.excluded("build")
+    assert ex.excluded("docs/a/b/c.png") and ex.excluded("docs/c.png") and not ex.excluded("docs/c.jpg")
+    assert ex.excluded("data/big1.bin") and not ex.excluded("data/big10.bin")
