@@ -4,7 +4,7 @@ Data: documents drawn from a sparse Markov chain over the vocabulary (each token
 likely successors), so a drafter can learn them and the loss goes down. Written as shards
 ``shard-NNNNN.tokens`` (uint32 little-endian ids) and ``shard-NNNNN.docs`` (uint32 lengths).
 Model: ``config.json`` (sizes and the ordered parameter list) and ``model.bin`` (float32
-little-endian, the parameters in that order), the layout jobs/demo/train.py reads.
+little-endian, the parameters in that order), the layout orchestrator/demo_job/train.py reads.
 """
 
 from __future__ import annotations

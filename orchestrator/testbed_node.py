@@ -11,6 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
+# the folder that holds dfo's code: the checkout (an editable install) or, installed from a wheel, the
+# site-packages folder (its environment, sys.prefix, is hidden from nodes as well)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SSHD = "/usr/sbin/sshd"
 

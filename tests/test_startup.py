@@ -127,3 +127,83 @@ def test_boto3_is_not_a_runtime_dependency() -> None:
     names = [d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in proj["dependencies"]]
     assert "boto3" not in names and "botocore" in names
     assert any(d.lower().startswith("boto3") for d in proj["optional-dependencies"]["test"])
+
+
+# ------------------------------------------------------------------ part 4: the demo from a wheel
+
+INSTALLED = """
+import json, os, sys
+from pathlib import Path
+import orchestrator, remote
+from orchestrator.commands import demo
+from orchestrator.config import load_job
+from orchestrator.testbed_node import PROJECT_ROOT, hidden_paths
+out = Path(sys.argv[1])
+job = load_job(str(demo.demo_job(out, "http://10.9.9.9:9000", 7))).job
+print(json.dumps({
+    "orchestrator": orchestrator.__file__, "remote": remote.__file__, "checkout": str(demo.checkout()),
+    "demo_job": str(demo.DEMO_JOB), "wheels": str(demo.DEFAULT_WHEELS),
+    "upload": job.run.upload, "endpoint": job.s3.endpoint_url, "command": job.run.command,
+    "project_root": str(PROJECT_ROOT), "hidden": hidden_paths(out),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dfo built as a wheel from this working tree and installed into a fresh venv (its dependencies
+    seen from this environment): the venv's directory."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    src = tmp / "src"
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            (src / f).write_bytes((ROOT / f).read_bytes())
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tmp / "dist").glob("dfo_orchestrator-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    if sys.prefix != sys.base_prefix:  # this environment is itself a venv: the new one sees its packages
+        import site
+
+        (next(venv.glob("lib/python3*/site-packages")) / "deps.pth").write_text("\n".join(site.getsitepackages()))
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                        str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return venv
+
+
+def test_installed_wheel_runs_the_demo_outside_a_checkout(installed: Path, tmp_path: Path) -> None:
+    site = str(next(installed.glob("lib/python3*/site-packages")))
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run([str(installed / "bin" / "python"), "-c", INSTALLED, str(tmp_path)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    # the installed copy, not this checkout, and the demo's files come with it
+    assert doc["orchestrator"].startswith(site) and doc["remote"].startswith(site)
+    assert doc["checkout"] == "None"
+    assert doc["demo_job"] == f"{site}/orchestrator/demo_job/demo.yaml"
+    assert doc["upload"] == [f"{site}/orchestrator/demo_job/train.py"]
+    assert Path(doc["upload"][0]).read_text().startswith('"""A small but real DFlash-style trainer')
+    assert doc["endpoint"] == "http://10.9.9.9:9000" and "--max-steps 7" in doc["command"]
+    assert doc["wheels"] == str(tmp_path / "cache" / "dfo" / "demo-wheels")
+    # the testbed hides the installed package from its nodes (here under /tmp, which a node has its own of)
+    assert doc["project_root"] == site
+    assert any(site == h or site.startswith(h + "/") for h in [*doc["hidden"], "/tmp", "/root"]), doc["hidden"]
+    # the console script: fast paths, the demo's help, and what to do without wheels
+    dfo = str(installed / "bin" / "dfo")
+    v = subprocess.run([dfo, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert v.returncode == 0 and v.stdout.strip() == "dfo, version " + cli_mod.__version__
+    h = subprocess.run([dfo, "demo", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert h.returncode == 0 and "throwaway node" in h.stdout, h.stderr
+    assert str(tmp_path / "cache" / "dfo" / "demo-wheels") in "".join(h.stdout.split())  # the default, wrapped
+    d = subprocess.run([dfo, "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert d.returncode == 2, d.stderr
+    assert "no torch wheel in" in d.stderr and "pip download" in d.stderr and "torch==2.13.0+cpu" in d.stderr
+    assert ".ci/setup" not in d.stderr and "Traceback" not in d.stderr

