@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -73,7 +73,8 @@ class ResolvedHost(BaseModel):
     user: str | None = None
     identities: list[str] = []
     known_hosts: str = DEFAULT_KNOWN_HOSTS
-    proxy_jump: str | None = None
+    proxy_jump: str | None = None  # "a,b": through a, then b (ProxyJump)
+    proxy_command: str | None = None  # ~/.ssh/config ProxyCommand (when no ProxyJump applies)
     python: str = "python3"
     workspace: str = "/workspace"
     connect_timeout: float = 10.0
@@ -95,19 +96,63 @@ def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path
     return inv, p
 
 
-def _ssh_config_lookup(alias: str) -> dict[str, object]:
-    import paramiko  # local import: config parsing only
+def ssh_config_path() -> Path:
+    """The ssh_config file dfo reads: $DFO_SSH_CONFIG (only that file, like ``ssh -F``), else
+    ~/.ssh/config then /etc/ssh/ssh_config, as OpenSSH and fabric read them."""
+    return Path(os.environ.get("DFO_SSH_CONFIG", "~/.ssh/config")).expanduser()
 
-    cfg_path = Path(os.environ.get("DFO_SSH_CONFIG", "~/.ssh/config")).expanduser()
-    if not cfg_path.exists():
-        return {}
-    cfg = paramiko.SSHConfig.from_path(str(cfg_path))
-    return dict(cfg.lookup(alias))
+
+_SSH_CONFIGS: dict[tuple[object, ...], object] = {}
+
+
+def ssh_configuration() -> Any:
+    """fabric's Config with the ssh_config file(s) loaded (fabric's own loading, see ssh_config_path);
+    read again when a file changes. The connection layer builds every ProxyJump hop from it."""
+    import fabric  # local import: ssh config only
+
+    path = ssh_config_path()
+    files = [path] if "DFO_SSH_CONFIG" in os.environ else [path, Path("/etc/ssh/ssh_config")]
+    key = tuple((str(f), f.stat().st_mtime_ns if f.is_file() else None) for f in files)
+    if key not in _SSH_CONFIGS:
+        if "DFO_SSH_CONFIG" in os.environ:
+            kw: dict[str, Any] = ({"runtime_ssh_path": str(path)} if path.is_file()
+                                  else {"overrides": {"load_ssh_configs": False}})
+        else:
+            kw = {"user_ssh_path": str(path)}
+        cfg = fabric.Config(lazy=True, **kw)  # lazy: fabric's own files (~/.fabric.yaml) play no part
+        cfg.load_ssh_config()
+        _SSH_CONFIGS.clear()
+        _SSH_CONFIGS[key] = cfg
+    return _SSH_CONFIGS[key]
+
+
+def _ssh_config_lookup(alias: str) -> dict[str, object]:
+    """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded)."""
+    return dict(ssh_configuration().base_ssh_config.lookup(alias))
+
+
+def _proxy(own: str | None, sshc: dict[str, object], default: str | None) -> tuple[str | None, str | None]:
+    """(ProxyJump, ProxyCommand): the host's own proxy_jump, else ~/.ssh/config's ProxyJump or
+    ProxyCommand, else defaults.proxy_jump. ``none`` is a direct connection."""
+    if own:
+        jump, command = own, None
+    elif "proxyjump" in sshc:
+        jump, command = str(sshc["proxyjump"]), None
+    elif "proxycommand" in sshc:
+        jump, command = None, str(sshc["proxycommand"])
+    else:
+        jump, command = default, None
+
+    def given(v: str | None) -> str | None:
+        return None if v is None or v.strip().lower() == "none" else v
+
+    return given(jump), given(command)
 
 
 def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
     """The host's connection settings. Precedence: the host's own entry, then ~/.ssh/config for
-    its alias (HostName, Port, User, IdentityFile, ProxyJump), then the inventory's defaults."""
+    its alias (HostName, Port, User, IdentityFile, ProxyJump or ProxyCommand), then the inventory's
+    defaults. A proxy of ``none`` (ProxyJump none) means a direct connection."""
     entry = inv.hosts.get(name)
     if entry is None:
         raise UsageError(f"unknown host {name!r}", hint=f"hosts in {inv_path}: {', '.join(inv.hosts) or 'none'}")
@@ -131,6 +176,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         identities.append(absolute(d.identity))  # a missing default key falls back to ssh's own keys/agent
     kh = absolute(d.known_hosts)
     port = entry.port or (int(sshc["port"]) if "port" in sshc else None) or d.port or 22  # type: ignore[arg-type]
+    proxy_jump, proxy_command = _proxy(entry.proxy_jump, sshc, d.proxy_jump)
     return ResolvedHost(
         name=name,
         transport=entry.transport,
@@ -139,7 +185,8 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         user=entry.user or (str(sshc["user"]) if "user" in sshc else None) or d.user,
         identities=list(dict.fromkeys(identities)),
         known_hosts=kh,
-        proxy_jump=entry.proxy_jump or (str(sshc["proxyjump"]) if "proxyjump" in sshc else None) or d.proxy_jump,
+        proxy_jump=proxy_jump,
+        proxy_command=proxy_command,
         python=entry.python or d.python,
         workspace=entry.workspace or d.workspace,
         connect_timeout=d.connect_timeout,
