@@ -47,6 +47,13 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def drop_expect_header(request: Any, **_: Any) -> None:
+    """botocore sends "Expect: 100-continue" with bodies over 1 MB; against rclone's S3 server it then
+    misreads the answer (urllib3: "Failed to parse headers ... HTTP/1.1 200 OK") and waits out its read
+    timeout (60 s) before a retry, which may fail ("multipart upload aborted"). Expect is not signed."""
+    request.headers.pop("Expect", None)
+
+
 @dataclass
 class S3Endpoint:
     """Where tests and the demo reach S3: from the controller and from every node."""
@@ -77,24 +84,29 @@ class S3Endpoint:
         and the demo fill buckets with, so that dfo itself never needs boto3 (a test-only package)."""
         import botocore.session
 
-        return botocore.session.Session().create_client(
+        return self._fix(botocore.session.Session().create_client(
             "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config())
+            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config()))
 
     def client(self) -> Any:
         """A boto3 S3 client, for tests (its upload_file and TransferConfig); boto3 is in the test extra."""
         import boto3
 
-        return boto3.client(
+        return self._fix(boto3.client(
             "s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config())
+            aws_secret_access_key=self.secret_key, region_name=self.region, config=self._config()))
+
+    def _fix(self, client: Any) -> Any:
+        if self.server == "rclone":
+            client.meta.events.register("before-send.s3", drop_expect_header)
+        return client
 
     def create_bucket(self, name: str) -> None:
         c = self.core_client()
         try:
             c.create_bucket(Bucket=name)
-        except c.exceptions.BucketAlreadyOwnedByYou:
-            pass
+        except (c.exceptions.BucketAlreadyOwnedByYou, c.exceptions.BucketAlreadyExists):
+            pass  # rclone answers BucketAlreadyExists for a bucket of its one user
 
     def put_bytes(self, bucket: str, key: str, data: bytes) -> None:
         self.core_client().put_object(Bucket=bucket, Key=key, Body=data)
