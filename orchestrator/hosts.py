@@ -72,8 +72,11 @@ class HostSession:
                 c = self._conns[name] = open_connection(self.hosts[name])
             return c
 
-    def each(self, fn: Callable[[Connection], T]) -> list[Outcome[T]]:
-        """Run ``fn(conn)`` on every host in parallel; one host's failure never hides another's."""
+    def each(self, fn: Callable[[Connection], T], names: list[str] | tuple[str, ...] | None = None
+             ) -> list[Outcome[T]]:
+        """Run ``fn(conn)`` on every host (or on ``names``, some of them) in parallel; one host's failure
+        never hides another's. A host keeps its one connection from call to call."""
+        names = list(self.names if names is None else names)
 
         def one(name: str) -> Outcome[T]:
             try:
@@ -91,8 +94,8 @@ class HostSession:
                 err.__cause__ = exc
                 return Outcome(name, error=err)
 
-        if len(self.names) == 1:
-            return [one(self.names[0])]
+        if len(names) == 1:
+            return [one(names[0])]
         # daemon threads, joined in short waits: Ctrl-C reaches the main thread at once and the
         # command can leave without waiting for calls still in flight on other hosts
         results: dict[str, Outcome[T]] = {}
@@ -102,13 +105,13 @@ class HostSession:
             with gate:
                 results[name] = one(name)
 
-        threads = [threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}") for n in self.names]
+        threads = [threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}") for n in names]
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
                 t.join(0.2)
-        return [results[n] for n in self.names]
+        return [results[n] for n in names]
 
     def close(self) -> None:
         for c in self._conns.values():

@@ -84,3 +84,95 @@ def test_transfer_tells_errors_apart_by_class_not_by_words(tmp_path: Path) -> No
     with pytest.raises(HostError) as ei:
         _xfer(tmp_path, _res("", "something else entirely", 137))
     assert "stopped without a result" in ei.value.message
+
+
+# ------------------------------------------------------------------------- up: one session, --json (testbed)
+
+from orchestrator.testbed import Testbed  # noqa: E402
+from tests._runs_fixtures import COUNTER  # noqa: E402
+from tests._s3_fixtures import Xfer, random_files, upload  # noqa: E402
+
+
+@pytest.fixture
+def upx(testbed: Testbed, tmp_path: Path) -> Any:
+    x = Xfer(testbed, tmp_path)
+    yield x
+    x.sh(f"rm -rf {x.base} {x.shm}", check=False)
+
+
+def _accepted(tb: Testbed, node: str) -> int:
+    """SSH logins the node's sshd accepted so far (its own log, LogLevel VERBOSE)."""
+    return (tb.workdir / node / "sshd.log").read_text(errors="replace").count("Accepted publickey")
+
+
+def _up_job(x: Xfer, code: int = 0) -> Path:
+    (x.tmp / "counter.py").write_text(COUNTER)
+    ds = upload(x.tb, "up-" + x.id, "d/", random_files(3, 2048, "f{i}.bin"))
+    job = x.job(data={"source": ds.source, "dest": f"{x.base}/data"},
+                model={"source": ds.source, "dest": f"{x.shm}/model"}, name=f"up{code}")
+    doc = yaml.safe_load(job.read_text())
+    doc.update({"venv": f"{x.base}/venv", "workspace": x.base,
+                "run": {"workdir": f"{x.base}/w", "upload": ["counter.py"], "wait": 0,
+                        "command": f"{{python}} counter.py 3 0.05 {code}"}})
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return job
+
+
+@pytest.mark.testbed
+def test_up_json_is_one_document_over_one_connection_per_host(upx: Xfer) -> None:
+    x, node = upx, upx.node.name
+    job = _up_job(x)
+    before = _accepted(x.tb, node)
+    r = x.dfo("up", "-H", node, "-j", str(job), "--json", timeout=300)
+    assert _accepted(x.tb, node) - before == 1, r.stderr  # provision, agent upload, transfers, launch, tail: one
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # stdout is the document and nothing else
+    assert doc["exit_code"] == 0 and doc["stopped_at"] is None and list(doc["hosts"]) == [node]
+    h = doc["hosts"][node]
+    assert h["provision"]["ok"] is True and {s["name"] for s in h["provision"]["steps"]} >= {"workspace", "venv"}
+    for step in ("stage_model", "sync_data"):
+        assert h[step]["ok"] is True and h[step]["fetched"] == 3 and h[step]["status"] == "done", h[step]
+    assert h["launch"]["run"] == h["run"]["id"] and h["launch"]["pid"] > 0
+    assert h["run"]["state"] == "succeeded" and h["run"]["exit_code"] == 0
+    assert h["run"]["last_lines"] == ["line 000000", "line 000001", "line 000002"]
+    assert "line 000000" not in r.stderr  # the log is in the document, not printed
+    for banner in ("==> provision", "==> stage-model", "==> sync-data", "==> launch", "==> tail"):
+        assert banner in r.stderr
+    # the same documents as each command's own --json for that host
+    for command, step in (("sync-data", "sync_data"), ("stage-model", "stage_model")):
+        own = json.loads(x.dfo(command, "-H", node, "-j", str(job), "--json").stdout)["hosts"][node]
+        assert set(own) == set(h[step]) and own["status"] == "no change"
+    prov = json.loads(x.dfo("provision", "-H", node, "-j", str(job), "--json").stdout)["hosts"][node]
+    assert set(prov) == set(h["provision"])
+
+    # again, human output: every step has nothing to do; still one connection
+    before = _accepted(x.tb, node)
+    r = x.dfo("up", "-H", node, "-j", str(job), timeout=300)
+    assert _accepted(x.tb, node) - before == 1, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert f"{node}: sync-data: no change: 3 files" in r.stdout and f"{node}: stage-model: no change" in r.stdout
+    assert r.stdout.endswith("line 000000\nline 000001\nline 000002\n"), r.stdout
+    assert "succeeded" in r.stderr and "up: finished in" in r.stderr
+
+
+@pytest.mark.testbed
+def test_up_json_of_a_failing_run_and_a_stopped_chain(upx: Xfer) -> None:
+    x, node = upx, upx.node.name
+    job = _up_job(x, code=3)
+    r = x.dfo("up", "-H", node, "-j", str(job), "--json", timeout=300)
+    assert r.returncode == 5, r.stderr
+    doc = json.loads(r.stdout)
+    run = doc["hosts"][node]["run"]
+    assert doc["exit_code"] == 5 and run["state"] == "failed" and run["exit_code"] == 3 and len(run["last_lines"]) == 3
+    # no S3 bucket: the chain stops at the transfer; later steps are null
+    bad = yaml.safe_load(job.read_text())
+    bad["model"]["source"] = "s3://no-such-bucket-dfo-up/x/"
+    job.write_text(yaml.safe_dump(bad))
+    r = x.dfo("up", "-H", node, "-j", str(job), "--json", timeout=300)
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    h = doc["hosts"][node]
+    assert doc["stopped_at"] == "stage-model" and doc["exit_code"] == 3
+    assert h["provision"]["ok"] is True and h["stage_model"]["ok"] is False
+    assert h["stage_model"]["error"]["kind"] == "verify"
+    assert h["sync_data"] is None and h["launch"] is None and h["run"] is None

@@ -5,13 +5,17 @@ from __future__ import annotations
 import inspect
 import textwrap
 import threading
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
-from ..config import load_job
+from ..config import LoadedJob, load_job
 from ..connection import Connection
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, human_bytes, transfer
+
+if TYPE_CHECKING:
+    from ..hosts import HostSession, Outcome
 
 _OUT = threading.Lock()
 
@@ -65,13 +69,24 @@ def _run(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: boo
          delete: bool | None = None) -> int:
     loaded = load_job(job_path)
     request = build_request(loaded, what, delete)
-    with session(ctx, hosts) as s, ProgressView(console, enabled=not as_json) as view:
+    with session(ctx, hosts) as s:
+        outcomes = run_transfer(s, loaded, what, request, quiet=as_json)
+    return emit(outcomes, as_json, TransferReport.model_dump, lambda host, r: _render(host, r, command))
+
+
+def run_transfer(s: HostSession, loaded: LoadedJob, what: What, request: dict[str, Any], *, quiet: bool
+                 ) -> list[Outcome[TransferReport]]:
+    """The transfer on every host of the session, on its one connection (a progress bar on a terminal
+    unless ``quiet``)."""
+    with ProgressView(console, enabled=not quiet) as view:
         def one(conn: Connection) -> TransferReport:
             return transfer(conn, loaded, what, request, on_event=view.callback(conn.name))
 
-        outcomes = s.each(one)
+        return s.each(one)
 
-    return emit(outcomes, as_json, TransferReport.model_dump, lambda host, r: _render(host, r, command))
+
+def render_transfer(outcomes: list[Outcome[TransferReport]], command: str) -> None:
+    emit(outcomes, False, TransferReport.model_dump, lambda host, r: _render(host, r, command))
 
 
 @click.command("sync-data")

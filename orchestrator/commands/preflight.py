@@ -4,10 +4,8 @@ costs seconds (exit 2), never a minutes-long provision and sync that ends at lau
 from __future__ import annotations
 
 import os
+from typing import Any
 
-import click
-
-from ..cli_common import session
 from ..config import LoadedJob
 from ..errors import ConfigError
 from ..steps.provision import validate_job
@@ -53,13 +51,15 @@ def check_run(loaded: LoadedJob) -> None:
     split_env(loaded)
 
 
-def check_job(ctx: click.Context, hosts: tuple[str, ...], loaded: LoadedJob) -> None:
-    """Everything `up` can check here before its first step (each failure is exit 2): the -H names,
-    package specs, the model:/data: sections and their S3 credentials, and the run: section."""
-    session(ctx, hosts)  # the hosts and groups exist in the inventory (nothing is connected)
+def check_job(loaded: LoadedJob) -> dict[str, dict[str, Any]]:
+    """Everything `up` can check here before its first step (each failure is exit 2): package specs,
+    the model:/data: sections and their S3 credentials, and the run: section. Returns the transfer
+    requests by section ("model", "data"), credentials included (for the node's stdin only)."""
     validate_job(loaded)
+    requests: dict[str, dict[str, Any]] = {}
     if loaded.job.model is not None:
-        build_request(loaded, "model")
+        requests["model"] = build_request(loaded, "model")
     if loaded.job.data is not None:
-        build_request(loaded, "data")
+        requests["data"] = build_request(loaded, "data")
     check_run(loaded)
+    return requests

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,9 +17,12 @@ from ..cli_common import (
     safe,
     session,
 )
-from ..config import load_job
+from ..config import LoadedJob, load_job
 from ..errors import EXIT_OK, DfoError
 from ..steps.provision import ProvisionReport, provision, validate_job
+
+if TYPE_CHECKING:
+    from ..hosts import HostSession, Outcome
 
 STATUS_STYLE = {"done": "green", "no change": "dim", "warning": "yellow", "failed": "bold red"}
 _OUT = threading.Lock()
@@ -93,36 +96,47 @@ def provision_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_
     loaded = load_job(job_path)
     validate_job(loaded)
     with session(ctx, hosts) as s:
-        multi = len(s.names) > 1
-
-        def one(conn: Any) -> ProvisionReport:
-            def on_step(step: dict[str, Any]) -> None:
-                if not as_json:
-                    _step_line(conn.name, multi, step)
-
-            return provision(conn, loaded, clear_triton_cache=clear_triton_cache, on_step=on_step)
-
-        outcomes = s.each(one)
+        outcomes = run_provision(s, loaded, quiet=as_json, clear_triton_cache=clear_triton_cache)
     if as_json:
-        doc: dict[str, Any] = {"hosts": {}}
-        for o in outcomes:
-            if o.error is not None:
-                doc["hosts"][o.host] = {"ok": False, "steps": [], "warnings": [], "problems": [],
-                                        "error": o.error.to_json()}
-            else:
-                doc["hosts"][o.host] = o.value.to_json()  # type: ignore[union-attr]
-        print_json(doc)
+        print_json({"hosts": {o.host: provision_json(o) for o in outcomes}})
     else:
-        for o in outcomes:
-            if o.error is not None:
-                report_error(o.error)
-                continue
-            r = o.value
-            assert r is not None
-            _summary(r)
-            if not r.ok and r.error:
-                report_error(DfoError(r.error["message"], host=r.host, hint=r.error.get("hint")))
+        render_provision(outcomes)
     return max((o.exit_code for o in outcomes), default=EXIT_OK)
+
+
+def run_provision(s: HostSession, loaded: LoadedJob, *, quiet: bool, clear_triton_cache: bool = False
+                  ) -> list[Outcome[ProvisionReport]]:
+    """Provision every host of the session on its one connection; each step's line printed as it ends
+    unless ``quiet``."""
+    multi = len(s.names) > 1
+
+    def one(conn: Any) -> ProvisionReport:
+        def on_step(step: dict[str, Any]) -> None:
+            if not quiet:
+                _step_line(conn.name, multi, step)
+
+        return provision(conn, loaded, clear_triton_cache=clear_triton_cache, on_step=on_step)
+
+    return s.each(one)
+
+
+def provision_json(o: Outcome[ProvisionReport]) -> dict[str, Any]:
+    """One host's --json document: the report's own serialisation (a failure too)."""
+    r = o.value if o.error is None else ProvisionReport.failed(o.host, o.error)
+    assert r is not None
+    return r.model_dump(by_alias=True)
+
+
+def render_provision(outcomes: list[Outcome[ProvisionReport]]) -> None:
+    for o in outcomes:
+        if o.error is not None:
+            report_error(o.error)
+            continue
+        r = o.value
+        assert r is not None
+        _summary(r)
+        if not r.ok and r.error:
+            report_error(DfoError(r.error["message"], host=r.host, hint=r.error.get("hint")))
 
 
 COMMANDS = [provision_cmd]

@@ -8,8 +8,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,7 +30,6 @@ from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
-from .preflight import check_run
 from .runs_view import (
     OUT,
     RECAP_LINES,
@@ -43,6 +43,9 @@ from .runs_view import (
     render_status,
     state_markup,
 )
+
+if TYPE_CHECKING:
+    from ..hosts import HostSession, Outcome
 
 
 def _given_run(run: str | None, command: str) -> str | None:
@@ -73,13 +76,11 @@ class Launched:
     def exit_code(self) -> int:
         return EXIT_RUN if self.final.state in ("failed", "lost", "stopped") else 0
 
+    def report(self) -> steps.LaunchReport:
+        return steps.LaunchReport.of(self.info, self.final, self.seen, self.watched, recap(self.final, self.seen))
+
     def to_json(self) -> dict[str, Any]:
-        f = self.final
-        return {"run": self.info.id, "pid": self.info.pid, "state": f.state, "exit_code": f.exit_code,
-                "signal": f.signal, "run_dir": self.info.run_dir, "uploads": self.info.uploads,
-                "autotune_guard": f.autotune_guard, "watched_seconds": round(self.watched, 1),
-                "last_lines": recap(f, self.seen) if f.state != "running" else [],
-                "diagnosis": [d.to_json() for d in f.diagnoses(self.seen)]}
+        return self.report().model_dump(by_alias=True)
 
 
 @click.command("launch")
@@ -118,10 +119,36 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     loaded = load_job(job_path)
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
+    from .preflight import check_run  # launch only: status and tail need not import it
+
     check_run(loaded)  # the whole run: section, before any host is touched (exit 2)
     window = run.wait if wait is None else wait
     sess = session(ctx, hosts)
-    lines = LogLines(len(sess.names) > 1, quiet=as_json)
+    one, render, started = launcher(ctx, loaded, job_path, window=window, force=force, quiet=as_json,
+                                    multi=len(sess.names) > 1)
+    try:
+        with sess:
+            outcomes = sess.each(one)
+    except KeyboardInterrupt:
+        detached_launch(ctx, started, job_path)
+        return 130
+    return emit(outcomes, as_json, Launched.to_json, render)
+
+
+def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_path: str) -> None:
+    for host, info in started.items():
+        err_console.print(f"dfo: detached; run {safe(info.id)} keeps running on {safe(host)}: "
+                          f"{safe(dfo_cmd(ctx, 'tail', host, info.id, job_path=job_path))}", highlight=False,
+                          soft_wrap=True)
+
+
+def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
+             multi: bool) -> tuple[Callable[[Connection], Launched], Callable[[str, Launched], None],
+                                   dict[str, steps.RunInfo]]:
+    """(launch on one connection, render one host's result, the runs started so far by host)."""
+    run = loaded.job.run
+    assert run is not None
+    lines = LogLines(multi, quiet=quiet)
     started: dict[str, steps.RunInfo] = {}
 
     def cmd(command: str, host: str, run_id: str) -> str:
@@ -137,7 +164,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
                             "or launch anyway with --force")
             raise
         started[conn.name] = info
-        if not as_json:
+        if not quiet:
             with OUT:
                 console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
                               f"watching {window:g}s", highlight=False, soft_wrap=True)
@@ -181,15 +208,7 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
         if guard:
             console.print("  " + safe(guard), soft_wrap=True)
 
-    try:
-        with sess:
-            outcomes = sess.each(one)
-    except KeyboardInterrupt:
-        for host, info in started.items():
-            err_console.print(f"dfo: detached; run {safe(info.id)} keeps running on {safe(host)}: "
-                              f"{safe(cmd('tail', host, info.id))}", highlight=False, soft_wrap=True)
-        return 130
-    return emit(outcomes, as_json, Launched.to_json, render)
+    return one, render, started
 
 
 # --------------------------------------------------------------------------- tail
@@ -229,8 +248,28 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     start: int | str = lines if lines.startswith("+") else int(lines)
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
-    out = LogLines(len(sess.names) > 1)
+    with sess:
+        code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded, job_path=job_path)
+    return code
+
+
+def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_follow: bool, start: int | str,
+                 loaded: LoadedJob | None, job_path: str | None, quiet: bool = False
+                 ) -> tuple[int, list[Outcome[steps.RunInfo]], dict[str, list[str]]]:
+    """tail on every host of the session (its connections kept open): (exit code, outcome per host, the
+    last lines seen per host). ``quiet``: the log lines are not printed (dfo's notes and the end of each
+    run still go to stderr)."""
+    out = LogLines(len(sess.names) > 1, quiet=quiet)
     current: dict[str, str | None] = {}
+    last: dict[str, deque[str]] = {h: deque(maxlen=RECAP_LINES) for h in sess.names}
+
+    def line(host: str) -> Callable[[str], None]:
+        show = out.line(host)
+
+        def on_line(text: str) -> None:
+            last[host].append(text)
+            show(text)
+        return on_line
 
     def one(conn: Connection) -> steps.RunInfo:
         ws, job = _workspace(conn, loaded), loaded.job.name if loaded else None
@@ -242,8 +281,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
                 among = f"of job {job}" if job else "of any job here (-j JOB: a job's newest)"
                 out.note(conn.name)(f"run {the_run} (job {newest[0].job or '?'}): the newest run {among}")
         if no_follow:
-            return steps.read_lines(conn, ws, the_run, start, out.line(conn.name), job=job)
-        return steps.follow(conn, ws, run=the_run, job=job, lines=start, on_line=out.line(conn.name),
+            return steps.read_lines(conn, ws, the_run, start, line(conn.name), job=job)
+        return steps.follow(conn, ws, run=the_run, job=job, lines=start, on_line=line(conn.name),
                             on_note=out.note(conn.name))
 
     def resume(host: str) -> str:
@@ -269,11 +308,10 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     if not no_follow and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        with sess:
-            outcomes = sess.each(one)
+        outcomes = sess.each(one)
     except KeyboardInterrupt:
         detached()
-        return 130
+        return 130, [], {}
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -296,7 +334,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
             err_console.print(safe(ln), highlight=False, soft_wrap=True)
         if info.state != "succeeded":
             code = max(code, EXIT_RUN)
-    return code
+    return code, outcomes, {h: list(v) for h, v in last.items()}
 
 
 # --------------------------------------------------------------------------- status
@@ -335,7 +373,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
 
     with sess:
         outcomes = sess.each(one)
-    return emit(outcomes, as_json, lambda runs: {"runs": [r.brief_json() for r in runs]},
+    return emit(outcomes, as_json, lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump(),
                 lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
 
 
@@ -379,8 +417,7 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
 
     with sess:
         outcomes = sess.each(one)
-    return emit(outcomes, as_json, lambda r: {"run": r.id, "state": r.state, "stop": r.stop,
-                                              "seconds": r.stop_seconds, "group_left": r.group_left}, render)
+    return emit(outcomes, as_json, lambda r: steps.StopReport.of(r).model_dump(), render)
 
 
 COMMANDS = [launch_cmd, tail_cmd, status_cmd, stop_cmd]

@@ -15,7 +15,7 @@ import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from remote.redact import redact, redact_obj
 
@@ -29,22 +29,22 @@ INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the w
 
 
 class ProvisionReport(BaseModel):
-    host: str
+    """One host's provision; its serialisation (model_dump) is the --json document for that host."""
+
+    host: str = Field(exclude=True)
     ok: bool
     steps: list[dict[str, Any]] = []
     warnings: list[dict[str, Any]] = []
     problems: list[dict[str, Any]] = []
     record: str | None = None
     packages: dict[str, str | None] = {}
-    error: dict[str, Any] | None = None
-    exit_code: int = EXIT_OK
+    error: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
+    exit_code: int = Field(default=EXIT_OK, exclude=True)
 
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"ok": self.ok, "steps": self.steps, "warnings": self.warnings,
-                               "problems": self.problems, "record": self.record, "packages": self.packages}
-        if self.error:
-            doc["error"] = self.error
-        return doc
+    @classmethod
+    def failed(cls, host: str, err: DfoError) -> ProvisionReport:
+        """A host where provision never got an answer (unreachable, ...)."""
+        return cls(host=host, ok=False, error=err.to_json(), exit_code=err.exit_code)
 
 
 def _spec_error(loaded: LoadedJob, loc: tuple[Any, ...], spec: str, exc: Exception) -> ConfigError:

@@ -76,12 +76,72 @@ class RunInfo(BaseModel):
         lines = self.tail if self.tail else (seen or [])
         return diagnose(lines, {**(self.end or {}), "state": self.state})
 
-    def brief_json(self) -> dict[str, Any]:
-        """The status contract: id, job, state, exit_code, started, ended (+ a few extras)."""
-        return {"id": self.id, "job": self.job, "state": self.state, "exit_code": self.exit_code,
-                "started": self.started, "ended": self.ended, "signal": self.signal, "pid": self.pid,
-                "last_line": self.last_line, "autotune_guard": self.autotune_guard,
-                "diagnosis": [d.to_json() for d in self.diagnoses()]}
+    def brief(self) -> RunBrief:
+        return RunBrief(id=self.id, job=self.job, state=self.state, exit_code=self.exit_code, started=self.started,
+                        ended=self.ended, signal=self.signal, pid=self.pid, last_line=self.last_line,
+                        autotune_guard=self.autotune_guard, diagnosis=[d.to_json() for d in self.diagnoses()])
+
+
+# --------------------------------------------------------------------------- the --json documents
+
+
+class RunBrief(BaseModel):
+    """A run in status --json: id, job, state, exit_code, started, ended (+ a few extras)."""
+
+    id: str
+    job: str | None
+    state: str
+    exit_code: int | None
+    started: str | None
+    ended: str | None
+    signal: str | None
+    pid: int | None
+    last_line: str | None
+    autotune_guard: dict[str, Any] | None
+    diagnosis: list[dict[str, Any]]
+
+
+class StatusReport(BaseModel):
+    """One host's status --json document."""
+
+    runs: list[RunBrief]
+
+
+class LaunchReport(BaseModel):
+    """One host's launch --json document: the run started, and how it stood after the watch."""
+
+    run: str
+    pid: int | None
+    state: str
+    exit_code: int | None
+    signal: str | None
+    run_dir: str | None
+    uploads: list[dict[str, Any]] | None
+    autotune_guard: dict[str, Any] | None
+    watched_seconds: float
+    last_lines: list[str]
+    diagnosis: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, info: RunInfo, final: RunInfo, seen: list[str], watched: float, last_lines: list[str]) -> LaunchReport:
+        return cls(run=info.id, pid=info.pid, state=final.state, exit_code=final.exit_code, signal=final.signal,
+                   run_dir=info.run_dir, uploads=info.uploads, autotune_guard=final.autotune_guard,
+                   watched_seconds=round(watched, 1), last_lines=last_lines if final.state != "running" else [],
+                   diagnosis=[d.to_json() for d in final.diagnoses(seen)])
+
+
+class StopReport(BaseModel):
+    """One host's stop --json document."""
+
+    run: str
+    state: str
+    stop: str | None
+    seconds: float | None
+    group_left: list[int] | None
+
+    @classmethod
+    def of(cls, r: RunInfo) -> StopReport:
+        return cls(run=r.id, state=r.state, stop=r.stop, seconds=r.stop_seconds, group_left=r.group_left)
 
 
 # --------------------------------------------------------------------------- job -> request
