@@ -2,9 +2,9 @@
 
 Two operations, each one SSH command; the request is the first line of stdin (JSON):
 
-* ``state``: the node's code manifest (DEST/.dfo/code-manifest.json), which of its files are no
-  longer as dfo left them (size, mtime or inode changed, gone, a symlink retargeted), and whether
-  the whole tree already matches the controller's digest (then the answer is a few bytes).
+* ``state``: the node's code manifest (DEST/.dfo/code-manifest.json), its digest, and which of
+  its files are no longer as dfo left them (size, mtime or inode changed, gone, a symlink
+  retargeted). The controller asks while it lists and hashes its own files.
 * ``push``: deletions first, then the changed files, whose bytes follow the request line on stdin
   as one stream, in request order, ``size`` bytes each: no round trip per file. Each file is
   written under DEST/.dfo/code-tmp/, its sha256 checked against the request, given its mode, then
@@ -98,20 +98,54 @@ def _intact(tree, rel, entry):
     return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
 
 
+def _same_stat(real, rel, entry):
+    """``_intact`` by path, for the state report only: it reads metadata and changes nothing (a folder
+    swapped for a symlink shows another inode, so its files count as changed and are sent again,
+    through the O_NOFOLLOW walk)."""
+    path = real + "/" + rel
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if st.st_ino != entry.get("ino") or st.st_mtime_ns != entry.get("mtime_ns"):
+        return False
+    if entry.get("link") is not None:
+        try:
+            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == entry["link"]
+        except OSError:
+            return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
+
+
+FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list
+
+
 def _load_manifest(meta_fd):
+    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them)."""
     if meta_fd is None:
-        return {}
+        return {}, None
     try:
         fd = os.open(MANIFEST, os.O_RDONLY | FILE_FLAGS, dir_fd=meta_fd)
     except FileNotFoundError:
-        return {}
+        return {}, None
     with os.fdopen(fd, "rb") as f:
         try:
             doc = json.loads(f.read().decode("utf-8", "surrogateescape"))
         except ValueError:
-            return {}
-    files = doc.get("files") if isinstance(doc, dict) else None
-    return files if isinstance(files, dict) else {}
+            return {}, None  # unreadable: as if dfo had pushed nothing (nothing is deleted, all is sent)
+    files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 2 else None
+    if not isinstance(files, dict):
+        return {}, None
+    return {rel: dict(zip(FIELDS, row)) for rel, row in files.items()}, doc.get("digest")
+
+
+def _save_manifest(meta_fd, files):
+    digest = digest_of(files)
+    doc = {"version": 2, "fields": FIELDS, "digest": digest,
+           "files": {rel: [e.get(k) for k in FIELDS] for rel, e in files.items()}}
+    write_atomic(MANIFEST, json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogateescape"),
+                 dir_fd=meta_fd)
+    return digest
 
 
 class Dest:
@@ -132,16 +166,13 @@ class Dest:
 
 
 def op_state(req):
+    """The manifest (path -> [sha256, mode, link]), its digest, and the files no longer as dfo left them."""
     d = Dest(req["dest"], create=False)
     try:
-        files = _load_manifest(d.meta_fd)
-        dirty = [rel for rel, e in files.items() if d.tree is None or not _intact(d.tree, rel, e)]
-        same = not dirty and bool(files) and digest_of(files) == req.get("digest")
-        out = {"dest": d.real, "same": same, "count": len(files)}
-        if not same:
-            out["files"] = {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}
-            out["dirty"] = dirty
-        return out
+        files, digest = _load_manifest(d.meta_fd)
+        dirty = [rel for rel, e in files.items() if d.tree is None or not _same_stat(d.real, rel, e)]
+        return {"dest": d.real, "digest": digest if files else None, "dirty": dirty,
+                "files": {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}}
     finally:
         d.close()
 
@@ -212,7 +243,7 @@ def op_push(req, stream):
     d = Dest(req["dest"], create=True)
     tree = d.tree
     try:
-        files = _load_manifest(d.meta_fd)
+        files = _load_manifest(d.meta_fd)[0]
         for f in req.get("files", []):
             check_rel(f["path"])
         deleted, kept = _delete(tree, files, req.get("delete", []))
@@ -254,11 +285,9 @@ def op_push(req, stream):
                 sent += 1
         finally:
             os.close(tmp_fd)
-        doc = {"version": 1, "digest": digest_of(files), "files": files}
-        write_atomic(MANIFEST, json.dumps(doc, sort_keys=True).encode("utf-8", "surrogateescape"),
-                     dir_fd=d.meta_fd)
+        digest = _save_manifest(d.meta_fd, files)
         return {"dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
-                "kept_files": sorted(kept)[:10], "digest": doc["digest"], "count": len(files),
+                "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
                 "seconds": round(time.time() - started, 3)}
     finally:
         d.close()

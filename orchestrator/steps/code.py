@@ -2,9 +2,9 @@
 
 1. List the code (orchestrator.steps.codetree: what git would commit, less code.exclude) and hash
    it (sha256, cached locally by size, mtime and inode).
-2. One round trip (``remote.codepush`` op ``state``) asks the node for its manifest; when the
-   node's tree already matches (same digest, every file as dfo left it) that is the end:
-   ``no change``.
+2. Meanwhile (a thread) one round trip (``remote.codepush`` op ``state``) asks the node for its
+   manifest; when the node's tree already matches (same digest, every file as dfo left it) that
+   is the end: ``no change``.
 3. One more command (op ``push``) carries the deletions and the changed files' bytes as one
    stream on its stdin; the node checks each file's sha256, renames it into place and records
    its manifest. No round trip per file.
@@ -18,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, Field
 
@@ -87,7 +88,10 @@ def resolve(loaded: LoadedJob) -> tuple[Path, str, list[str]]:
 
 def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
     cmd = module_command(MODULE, conn.host.python)
-    data = json.dumps(header).encode("utf-8", "surrogateescape") + b"\n" + payload
+    buf = bytearray(json.dumps(header).encode("utf-8", "surrogateescape") + b"\n")
+    buf += payload
+    # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
+    data = cast(bytes, memoryview(buf))
 
     def keep(line: str) -> bool:
         return "@@DFO-RESULT@@" in line
@@ -116,12 +120,27 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
     note = note or _stderr(conn.name)
     t0 = time.monotonic()
     source, dest, exclude = resolve(loaded)
-    files, in_git = list_code(source, exclude)
-    fill_hashes(source, files)
+    asked: dict[str, Any] = {}
+
+    def ask() -> None:  # the node's manifest, while the files here are listed and hashed
+        try:
+            asked["state"] = _call(conn, {"op": "state", "dest": dest})
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            asked["error"] = exc
+
+    th = threading.Thread(target=ask, name=f"code-state-{conn.name}", daemon=True)
+    th.start()
+    try:
+        files, in_git = list_code(source, exclude)
+        fill_hashes(source, files)
+    finally:
+        th.join()
+    if "error" in asked:
+        raise asked["error"]
+    state = asked["state"]
     local = manifest_view(files)
     from remote.codepush import digest_of
 
-    digest = digest_of(local)
     total_bytes = sum(f.size for f in files.values())
 
     def report(status: str, sent: int = 0, nbytes: int = 0, deleted: int = 0, kept: list[str] | None = None,
@@ -133,11 +152,10 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
                           files_total=len(files), bytes_total=total_bytes, kept=len(kept or []),
                           kept_files=kept or [], warnings=notes or [], in_git=in_git)
 
-    state = _call(conn, {"op": "state", "dest": dest, "digest": digest})
-    if state.get("same"):
+    dirty = set(state.get("dirty") or [])
+    if not dirty and files and state.get("digest") == digest_of(local):
         return report("no change", real=state["dest"])
     node = state.get("files") or {}
-    dirty = set(state.get("dirty") or [])
     to_send = sorted(rel for rel, e in local.items()
                      if rel in dirty or node.get(rel) != [e["sha256"], e["mode"], e["link"]])
     to_delete = sorted(rel for rel in node if rel not in local)

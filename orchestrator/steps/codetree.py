@@ -110,6 +110,8 @@ class Excluder:
 
 
 def never_pushed(rel: str) -> bool:
+    if ".git" not in rel and ".dfo" not in rel:
+        return False
     return any(p == ".git" or p.startswith(".dfo") for p in rel.split("/"))
 
 
@@ -172,15 +174,18 @@ def list_code(source: Path, exclude: list[str]) -> tuple[dict[str, LocalFile], b
     in_git = names is not None
     ex = Excluder(exclude)
     real_source = os.path.realpath(source)
+    base = str(source) + "/"
     files: dict[str, LocalFile] = {}
+    lstat = os.lstat
     for rel in names if names is not None else _walk(source):
         if never_pushed(rel) or ex.excluded(rel):
             continue
         try:
-            st = os.lstat(source / rel)
+            st = lstat(base + rel)
         except FileNotFoundError:
             continue  # deleted from the work tree: gone, as git would commit it
-        _check_name(source, rel)
+        if not rel.isascii():
+            _check_name(source, rel)
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
         if stat.S_ISLNK(st.st_mode):
             files[rel] = LocalFile(0, None, _link_target(source, real_source, rel), key=key)

@@ -1,0 +1,139 @@
+"""`dfo sync-code` against `rsync -a` over ssh and `git ls-files | tar | ssh tar x`, on a testbed node.
+
+    python bench/code_bench.py [--files 5000] [--mb 50] [--repeat 3] [--out bench/results/code.json]
+
+A git repo of --files files and --mb MB in all (sizes spread from 200 B to ~200 KB, in nested
+folders, a few executables) is made on this machine. Each tool pushes it to its own folder on
+one testbed node, three cases in turn:
+
+* first: the folder on the node is empty;
+* no change: the same tree again;
+* one change: one file's content changed here.
+
+Every figure is end to end: the wall time of the whole command as a user runs it (for dfo, a
+fresh `python -m orchestrator.cli`, its start-up included; for rsync and tar, the `ssh` client's
+connection included). Each case is timed --repeat times (a fresh node folder for "first"), the
+median is reported, and the ratios are dfo / rsync and dfo / tar (lower is better; the goal is
+at most 1.0x rsync in every case). tar has no notion of "changed": it sends everything each time.
+rsync must be installed here (the testbed node shares this machine's /usr, so it has it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.testbed import Testbed  # noqa: E402
+
+
+def make_repo(repo: Path, files: int, total_mb: float, seed: int = 7) -> int:
+    rng = random.Random(seed)
+    weights = [rng.paretovariate(1.2) for _ in range(files)]
+    scale = total_mb * 1e6 / sum(weights)
+    total = 0
+    for i, w in enumerate(weights):
+        size = max(200, min(int(w * scale), 2_000_000))
+        d = repo / f"pkg{i % 20}" / f"mod{(i // 20) % 25}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"file_{i}.py"
+        p.write_bytes(rng.randbytes(size // 2).hex().encode()[:size])
+        if i % 97 == 0:
+            p.chmod(0o755)
+        total += size
+    git = ["git", "-c", "user.email=b@b", "-c", "user.name=b"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "bench"], cwd=repo, check=True)
+    return total
+
+
+def timed(argv: list[str] | str, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, shell=isinstance(argv, str), capture_output=True, text=True, env=env, cwd=cwd)
+    secs = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"failed ({r.returncode}): {argv}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return secs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--files", type=int, default=5000)
+    ap.add_argument("--mb", type=float, default=50)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/code.json"))
+    args = ap.parse_args()
+    if not shutil.which("rsync"):
+        raise SystemExit("rsync is not installed here (apt-get install rsync)")
+    work = Path(tempfile.mkdtemp(prefix="dfo-code-bench-"))
+    repo = work / "repo"
+    repo.mkdir()
+    total = make_repo(repo, args.files, args.mb)
+    print(f"repo: {args.files} files, {total / 1e6:.1f} MB in {repo}", flush=True)
+    with Testbed(work / "tb", nodes=1, s3=False) as tb:
+        node = tb.nodes[0]
+        inv = yaml.safe_load(Path(tb.inventory_path).read_text())
+        inv_path = work / "inventory.yaml"
+        inv_path.write_text(yaml.safe_dump(inv))
+        ssh = tb.ssh_argv(node)[:-1]  # without user@host
+        target = tb.ssh_argv(node)[-1]
+        ssh_cmd = " ".join(shlex.quote(a) for a in ssh[1:])
+        env = dict(os.environ, XDG_CACHE_HOME=str(work / "cache"))
+        tb.ssh(node, "python3 -c 1")  # host key recorded, node warm
+
+        def dfo_push(dest: str) -> float:
+            job = work / "job.yaml"
+            job.write_text(yaml.safe_dump({"name": "bench", "venv": "/usr",
+                                           "code": {"source": str(repo), "dest": dest}}))
+            return timed([sys.executable, "-m", "orchestrator.cli", "-i", str(inv_path), "sync-code", "-H",
+                          node.name, "-j", str(job)], env=env)
+
+        def rsync_push(dest: str) -> float:
+            tb.ssh(node, f"mkdir -p {dest}")
+            return timed(["rsync", "-a", "--delete", "-e", "ssh " + ssh_cmd, f"{repo}/", f"{target}:{dest}/"])
+
+        def tar_push(dest: str) -> float:
+            remote = shlex.quote(f"mkdir -p {dest} && tar -xf - -C {dest}")
+            return timed(f"git ls-files -z | tar --null -T - -cf - | {shlex.join(ssh)} {target} {remote}", cwd=repo)
+
+        tools = {"dfo": dfo_push, "rsync": rsync_push, "tar": tar_push}
+        results: dict[str, dict[str, list[float]]] = {t: {"first": [], "no change": [], "one change": []} for t in tools}
+        victim = next(repo.rglob("file_1*.py"))
+        for rep in range(args.repeat):
+            for name, push in tools.items():
+                dest = f"/root/bench-{name}-{rep}"
+                results[name]["first"].append(push(dest))
+                results[name]["no change"].append(push(dest))
+                victim.write_bytes(victim.read_bytes()[::-1] + str(time.time()).encode())
+                results[name]["one change"].append(push(dest))
+                tb.ssh(node, f"rm -rf {dest}")
+    med = {t: {c: statistics.median(v) for c, v in cases.items()} for t, cases in results.items()}
+    print(f"\n{'case':<12}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}")
+    for c in ("first", "no change", "one change"):
+        d, r, t = med["dfo"][c], med["rsync"][c], med["tar"][c]
+        print(f"{c:<12}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"files": args.files, "bytes": total, "repeat": args.repeat, "median_s": med,
+                               "runs_s": results}, indent=1) + "\n")
+    print(f"\nwritten: {out}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
