@@ -10,8 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-from rich.console import Console, ConsoleDimensions
-from rich.markup import escape
 
 from .errors import DfoError
 from .hosts import HostSession, Outcome
@@ -40,42 +38,46 @@ def clean(text: object) -> str:
 def safe(text: object) -> str:
     """``clean`` plus rich markup escaping: for node text inside a string that rich renders as markup
     (a job named ``[/x]`` is printed as is, never taken for a closing tag)."""
+    from rich.markup import escape  # rich: once there is something to print
+
     return escape(clean(text))
 
 
 # --------------------------------------------------------------------------- consoles
 
-WIDE = 10_000  # the width of a console that is not a terminal: lines are never wrapped there
+class LazyConsole:
+    """Stands for an orchestrator.console.DfoConsole made on first use, so that rich is imported
+    when there is something to print, not at start-up (nor before a command's first byte to a node).
+    Attributes, assignments and `with console:` go to the real console; `real()` returns it."""
+
+    def __init__(self, **kw: Any) -> None:
+        object.__setattr__(self, "_kw", kw)
+        object.__setattr__(self, "_real", None)
+
+    def real(self) -> Any:
+        c = object.__getattribute__(self, "_real")
+        if c is None:
+            from .console import DfoConsole
+
+            c = DfoConsole(**object.__getattribute__(self, "_kw"))
+            object.__setattr__(self, "_real", c)
+        return c
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.real(), name, value)
+
+    def __enter__(self) -> Any:
+        return self.real().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.real().__exit__(*exc)
 
 
-class DfoConsole(Console):
-    """A rich Console that, when its stream is not a terminal (a pipe, a file), neither wraps lines
-    nor pads them: `dfo status | grep RUN` and `dfo launch > out.txt` keep every line whole, without
-    trailing spaces. (rich alone would take the width of the terminal on stdin, else 80 columns.)"""
-
-    @property  # type: ignore[override]
-    def size(self) -> ConsoleDimensions:
-        dims = Console.size.fget(self)  # type: ignore[attr-defined]
-        return dims if self.is_terminal else ConsoleDimensions(WIDE, dims.height)
-
-    @size.setter
-    def size(self, new_size: tuple[int, int]) -> None:
-        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
-
-    def print(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
-        if self.is_terminal:
-            super().print(*objects, **kw)
-            return
-        kw.setdefault("soft_wrap", True)
-        with self.capture() as cap:
-            super().print(*objects, **kw)
-        text = "\n".join(ln.rstrip() for ln in cap.get().split("\n"))
-        self.file.write(text)
-        self.file.flush()
-
-
-console = DfoConsole(highlight=False)
-err_console = DfoConsole(stderr=True, highlight=False)
+console: Any = LazyConsole(highlight=False)
+err_console: Any = LazyConsole(stderr=True, highlight=False)
 
 
 def hosts_option(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -207,3 +207,71 @@ def test_installed_wheel_runs_the_demo_outside_a_checkout(installed: Path, tmp_p
     assert d.returncode == 2, d.stderr
     assert "no torch wheel in" in d.stderr and "pip download" in d.stderr and "torch==2.13.0+cpu" in d.stderr
     assert ".ci/setup" not in d.stderr and "Traceback" not in d.stderr
+
+
+# ------------------------------------------------------------------ the way to a node's first byte
+
+AT_CONNECT = """
+import json, socket, sys
+seen = []
+real = socket.socket.connect
+def spy(self, addr):
+    if not seen:
+        seen.append(sorted(sys.modules))
+    return real(self, addr)
+socket.socket.connect = spy
+from orchestrator.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    loader = sys.modules.get("pydantic.plugin._loader")
+    print(json.dumps({"code": exc.code, "at_connect": seen[0] if seen else None, "after": sorted(sys.modules),
+                      "plugins_looked_up": loader is not None and loader._plugins is not None}))
+"""
+
+
+@pytest.mark.parametrize("command", ["status", "tail"])
+def test_nothing_needless_is_imported_before_the_first_byte(command: str, tmp_path: Path) -> None:
+    """`dfo status` and `dfo tail`, the commands run all day, import neither rich (output comes after
+    the node answers), nor botocore, boto3 or packaging (S3 and installs are other commands' business)
+    before they connect; here to a port that refuses at once (exit 4)."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"defaults: {{user: root, identity: {tmp_path}/key, known_hosts: {tmp_path}/kh}}\n"
+                   "hosts:\n  dead: {host: 127.0.0.1, port: 1}\n")
+    (tmp_path / "key").write_text("")
+    r = subprocess.run([sys.executable, "-c", AT_CONNECT, "-i", str(inv), command, "-H", "dead"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "HOME": str(tmp_path)})
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["code"] == 4, r.stderr
+    assert doc["at_connect"] is not None, r.stderr  # it did try to connect
+    tops = {m.split(".")[0] for m in doc["at_connect"]}
+    assert {"rich", "botocore", "boto3", "packaging"} & tops == set(), sorted(tops)
+    assert "orchestrator.commands.preflight" not in doc["at_connect"]
+    assert "orchestrator.steps.transfer" not in doc["at_connect"]
+    assert "rich" in {m.split(".")[0] for m in doc["after"]}  # the error itself is printed with rich
+    assert doc["plugins_looked_up"] is False  # pydantic did not read every distribution's entry points
+
+
+def test_lazy_console_drives_a_progress_bar_and_plain_output() -> None:
+    """cli_common's consoles are made on first use; what rich does with them (a live progress bar on a
+    terminal, `with console:`, attribute writes) reaches the real console."""
+    import io
+    import time
+
+    from orchestrator.cli_common import LazyConsole
+    from orchestrator.steps.transfer import ProgressView
+
+    buf = io.StringIO()
+    con = LazyConsole(file=buf, force_terminal=True, width=100, highlight=False)
+    with ProgressView(con, enabled=True) as view:
+        on = view.callback("node-1")
+        on({"type": "plan", "bytes_to_fetch": 1000, "to_fetch": 2})
+        on({"type": "progress", "bytes": 500, "files": 1, "files_total": 2})
+        time.sleep(0.2)
+    assert "node-1" in buf.getvalue() and "1/2 files" in buf.getvalue()
+    pipe = io.StringIO()
+    plain = LazyConsole(file=io.StringIO(), highlight=False)
+    plain.file = pipe  # an attribute write goes to the real console
+    with plain:
+        plain.print("x" * 300 + "   ")
+    assert pipe.getvalue() == "x" * 300 + "\n"  # not a terminal: neither wrapped nor padded

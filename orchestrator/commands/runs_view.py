@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 
 import click
-from rich.table import Table
 
 from ..cli_common import console, err_console, safe
 from ..diagnosis import render as render_diagnoses
@@ -118,6 +117,8 @@ def exit_text(info: steps.RunInfo) -> str:
 
 def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], detail: bool,
                   job_path: str | None) -> None:
+    from rich.table import Table  # rich once there is a table to print (after the node answered)
+
     if not runs:
         console.print(f"[bold]{safe(host)}[/]: no runs")
         return
