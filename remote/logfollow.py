@@ -18,7 +18,7 @@ import os
 import select
 import time
 
-from remote import supervisor as rec
+from remote import runrecord as rec
 
 
 def ident(st):

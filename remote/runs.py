@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from remote import supervisor as rec
+from remote import runrecord as rec
 from remote._proto import RemoteError, emit_event, main
 from remote.logfollow import LogReader, start_offset
 from remote.logfollow import Watch as _Watch

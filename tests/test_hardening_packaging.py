@@ -228,7 +228,7 @@ def test_one_byte_size_formatter(n: int, text: str) -> None:
 
 
 def _writers(tmp_path: Path) -> dict[str, object]:
-    from remote import provision_lib, s3manifest, supervisor
+    from remote import provision_lib, runrecord, s3manifest
 
     def manifest(path: Path, doc: dict[str, object]) -> None:
         fd = os.open(path.parent, os.O_RDONLY)
@@ -237,7 +237,7 @@ def _writers(tmp_path: Path) -> dict[str, object]:
         finally:
             os.close(fd)
 
-    return {"run record": supervisor.write_json, "provision record": provision_lib.write_json,
+    return {"run record": runrecord.write_json, "provision record": provision_lib.write_json,
             "data manifest": manifest}
 
 
