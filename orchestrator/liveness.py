@@ -6,7 +6,8 @@ does what OpenSSH's ServerAliveInterval does: every ALIVE_INTERVAL_S it sends th
 "keepalive@openssh.com" with want_reply. Any answer (sshd answers "request failed") proves the
 node's sshd is there, however long the command itself stays silent (a quiet pip install,
 `sleep 600`). No answer for ALIVE_DEAD_S: the link is cut, or the node or its sshd hung;
-connection.Connection then closes the connection, and the call in flight raises HostError (exit 4).
+connection.Connection then closes the connection (every hop of its path), and the call in flight
+raises ConnectionLost (a HostError, exit 4).
 From the cut to the error: at most ALIVE_DEAD_S + ALIVE_CHECK_S, under the 30 s dfo promises.
 
 The watch needs only a transport with is_active() and global_request(kind, wait=True): paramiko's

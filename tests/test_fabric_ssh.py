@@ -178,6 +178,38 @@ def test_a_two_hop_proxy_jump_checks_every_hop_and_a_changed_key_anywhere_refuse
         assert kh.read_text() == recorded  # the old key stays; nothing was appended
 
 
+@on_testbed
+def test_a_hop_cut_during_a_call_is_connection_lost_within_30s(chain, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Liveness covers the whole path: the first hop's link cut while C runs a silent command ends
+    the call with ConnectionLost (exit 4) within 30 s, not after TCP's ~15 min."""
+    tb, a, _b, c, b_addr, c_addr, _ = chain
+    inv = inventory(tb, tmp_path, deep={"host": c_addr, "proxy_jump": f"root@{a.address},root@{b_addr}"})
+    conn = conn_for(inv, "deep")
+    box: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            conn.run("sleep 120", timeout=300)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+        box["t"] = time.monotonic()
+
+    try:
+        assert conn.run("hostname").stdout.strip() == c.name
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        time.sleep(1)
+        tb.link_down(a)
+        cut = time.monotonic()
+        t.join(45)
+        assert not t.is_alive(), "the call still waits 45 s after the first hop's link was cut"
+        assert isinstance(box.get("error"), ConnectionLost), repr(box.get("error"))
+        assert float(box["t"]) - cut < 30  # type: ignore[arg-type]
+    finally:
+        tb.link_up(a)
+        conn.close()
+
+
 # --------------------------------------------------------------------------- ProxyCommand
 
 
