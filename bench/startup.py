@@ -6,8 +6,9 @@ Part 1 runs the two commands interleaved N times (after one warm-up each) and pr
 minimum of each and their ratio (goal: at most 1.5x; dfo's own cost over click's is its CLI module and
 the command table). Part 2 measures `dfo status` and `dfo tail` up to the point where the first byte
 would go to the node: an inventory whose host refuses at once (127.0.0.1 port 1), so each run ends
-with exit 4 right after its connect; it prints their wall time and, from `python -X importtime`, what
-they import by top-level package.
+with exit 4 right after its connect; it prints their wall and CPU time up to that connect() and, from
+`python -X importtime`, what they import before it, by top-level package. On a busy machine the CPU
+figures are the ones to compare.
 
 `dfo` is the console script beside this Python (a pyenv shim would add its own bash start-up); without
 one, the same entry point through `python -c`.
@@ -76,7 +77,8 @@ real = socket.socket.connect
 def spy(self, addr):
     if not getattr(spy, "done", False):
         spy.done = True
-        sys.stderr.write("dfo-first-connect %r\\n" % time.perf_counter()); sys.stderr.flush()
+        sys.stderr.write("dfo-first-connect %r %r\\n" % (time.perf_counter(), time.process_time()))
+        sys.stderr.flush()
     return real(self, addr)
 socket.socket.connect = spy
 from orchestrator.cli import main
@@ -84,14 +86,15 @@ main()
 """
 
 
-def to_connect(args: list[str], env: dict[str, str]) -> float:
-    """Seconds from starting `dfo ARGS` to its first connect() (it must exit 4: the host refuses)."""
+def to_connect(args: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall, CPU) seconds from starting `dfo ARGS` to its first connect() (it must exit 4: the host
+    refuses); CPU is the process's own, up to that point."""
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=60)
-    m = re.search(r"^dfo-first-connect (\S+)$", r.stderr, re.M)
+    m = re.search(r"^dfo-first-connect (\S+) (\S+)$", r.stderr, re.M)
     if r.returncode != 4 or m is None:
         raise SystemExit(f"startup: dfo {' '.join(args)} exited {r.returncode}: {r.stderr[-500:]}")
-    return float(m.group(1)) - t0
+    return float(m.group(1)) - t0, float(m.group(2))
 
 
 def import_profile(args: list[str], env: dict[str, str]) -> tuple[float, dict[str, float]]:
@@ -139,12 +142,11 @@ def main() -> None:
         for c in ("status", "tail"):
             argv = ["-i", str(inv), c, "-H", "dead"]
             to_connect(argv, env)  # warm
-        times: dict[str, list[float]] = {"status": [], "tail": []}
+        times: dict[str, list[tuple[float, float]]] = {"status": [], "tail": []}
         for _ in range(n):
             for c in times:
                 times[c].append(to_connect(["-i", str(inv), c, "-H", "dead"], env))
-        for c, v in times.items():
-            print(f"  dfo {c:6} to connect: median {ms(statistics.median(v))}  min {ms(min(v))}")
+        show({f"dfo {c} to connect": v for c, v in times.items()})
         for c in times:
             total, by = import_profile(["-i", str(inv), c, "-H", "dead"], env)
             top = sorted(by.items(), key=lambda kv: -kv[1])[:12]

@@ -99,10 +99,6 @@ def cli(ctx: click.Context, inventory: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # pydantic reads the entry points of every installed distribution, looking for plugins, when the
-    # first model is built: tens of ms on the way to a node's first byte, more with more packages
-    # installed. dfo uses no pydantic plugin; setting the variable yourself (even empty) keeps yours.
-    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     try:
         rv = cli.main(args=argv, prog_name="dfo", standalone_mode=False)
     except click.exceptions.Abort:
