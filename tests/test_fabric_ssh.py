@@ -109,9 +109,9 @@ def chain(make_testbed):  # type: ignore[no-untyped-def]
     net = f"10.98.{r}"
     for (x, y), base in (((a, b), 0), ((b, c), 4)):  # A-B: .1/.2, B-C: .5/.6
         ex, ey = f"fx{tb.id}{base}", f"fy{tb.id}{base}"
-        _sh(["ip", "link", "add", ex, "type", "veth", "peer", "name", ey])
+        # made inside the namespaces (gone with them when the testbed stops), never in the host's
+        _sh(["ip", "-n", ns[x.name], "link", "add", ex, "type", "veth", "peer", "name", ey, "netns", ns[y.name]])
         for end, node, host in ((ex, x, base + 1), (ey, y, base + 2)):
-            _sh(["ip", "link", "set", end, "netns", ns[node.name]])
             _sh(["ip", "-n", ns[node.name], "addr", "add", f"{net}.{host}/30", "dev", end])
             _sh(["ip", "-n", ns[node.name], "link", "set", end, "up"])
     b_addr, c_addr = f"{net}.2", f"{net}.6"
