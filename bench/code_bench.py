@@ -45,9 +45,11 @@ def make_repo(repo: Path, files: int, total_mb: float, seed: int = 7) -> int:
     rng = random.Random(seed)
     weights = [rng.paretovariate(1.2) for _ in range(files)]
     scale = total_mb * 1e6 / sum(weights)
+    for _ in range(20):  # sizes clipped to 200 B .. 2 MB, scaled until they add up to total_mb
+        sizes = [max(200, min(int(w * scale), 2_000_000)) for w in weights]
+        scale *= total_mb * 1e6 / sum(sizes)
     total = 0
-    for i, w in enumerate(weights):
-        size = max(200, min(int(w * scale), 2_000_000))
+    for i, size in enumerate(sizes):
         d = repo / f"pkg{i % 20}" / f"mod{(i // 20) % 25}"
         d.mkdir(parents=True, exist_ok=True)
         p = d / f"file_{i}.py"

@@ -21,6 +21,7 @@ pushed is ever deleted. Refused: ``/``, a path with a ``.dfo`` component, ~/.ssh
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -243,6 +244,8 @@ def op_push(req, stream):
     d = Dest(req["dest"], create=True)
     tree = d.tree
     try:
+        lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
         files = _load_manifest(d.meta_fd)[0]
         for f in req.get("files", []):
             check_rel(f["path"])

@@ -197,3 +197,27 @@ def test_excluder_patterns() -> None:
     assert ex.excluded("build/x.py") and ex.excluded("a/build/y") and not ex.excluded("build")
     assert ex.excluded("docs/a/b/c.png") and ex.excluded("docs/c.png") and not ex.excluded("docs/c.jpg")
     assert ex.excluded("data/big1.bin") and not ex.excluded("data/big10.bin")
+
+
+def test_big_file_warning_names_it() -> None:
+    from orchestrator.steps.codetree import LocalFile, warnings
+
+    files = {"ckpt/model.pt": LocalFile(150_000_000, 0o644, None), "train.py": LocalFile(100, 0o644, None)}
+    notes = warnings(Path("/src"), files, ["ckpt/model.pt", "train.py"])
+    assert len(notes) == 1 and "ckpt/model.pt (143.1 MiB)" in notes[0] and "did you mean to exclude it" in notes[0]
+    assert warnings(Path("/src"), files, ["train.py"]) == []  # not travelling: nothing to say
+
+
+def test_refused_dests(env: Env) -> None:
+    (env.src / "a.py").write_text("a")
+    for dest in ("/", "/root/.ssh/code", "/root/x/.dfo/y"):
+        env.dest = dest
+        r = env.sync(expect=2)
+        assert r["error"]["message"].startswith("code.dest"), r
+    env.dest = "/root"  # $HOME is fine for code: only what dfo pushed is ever deleted
+    r = env.sync()
+    assert r["sent"] == 1
+    (env.src / "a.py").unlink()
+    assert env.sync()["deleted"] == 1
+    assert env.sh("test -e /root/a.py || echo gone") == "gone\n"
+    env.sh("rm -rf /root/.dfo/code-manifest.json /root/.dfo/code-tmp /root/.dfo/code.lock; rmdir /root/.dfo || true")
