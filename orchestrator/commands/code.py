@@ -73,4 +73,61 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
     return emit(outcomes, as_json, lambda r: r.to_json(), render)
 
 
-COMMANDS = [sync_code]
+
+def render_pull(host: str, r: Any) -> None:
+    with _OUT:
+        if r.status == "no change":
+            console.print(f"{safe(host)}: pull: [dim]no change[/]: {r.files_total} files ({human_bytes(r.bytes_total)}) "
+                          f"in {safe(r.dest)} match {safe(r.source)} of run {safe(r.run)} ({r.seconds:.2f}s)",
+                          soft_wrap=True)
+        else:
+            console.print(f"{safe(host)}: pull: [green]done[/]: {safe(r.source)} (run {safe(r.run)}) -> {safe(r.dest)}",
+                          soft_wrap=True)
+            console.print(f"  fetched {r.fetched} files ({human_bytes(r.bytes)}"
+                          + (f", {r.resumed} resumed" if r.resumed else "") + f"), skipped {r.skipped}, "
+                          f"in {r.seconds:.1f}s = {r.mb_per_s:.1f} MB/s; verified: sha256 {r.fetched}", soft_wrap=True)
+        if r.changed:
+            console.print(f"  {r.changed} file{'s' if r.changed != 1 else ''} changed on the node while being pulled, "
+                          f"not fetched (pull again): {safe(', '.join(r.changed_files))}", soft_wrap=True)
+        if r.links_skipped:
+            console.print(f"  {r.links_skipped} symlink{'s' if r.links_skipped != 1 else ''} not pulled", soft_wrap=True)
+
+
+@click.command("pull")
+@hosts_option
+@click.argument("run", required=False)
+@click.argument("paths", nargs=-1, metavar="[PATH]...")
+@click.option("--to", "to", metavar="DIR", help="Write into DIR itself (default ./runs/RUN/).")
+@job_option(required=False)
+@json_option
+@click.pass_context
+def pull_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, paths: tuple[str, ...], to: str | None,
+             job_path: str | None, as_json: bool) -> int:
+    """Copy a run's files from the node to this machine, verified (default ./runs/RUN/).
+
+    RUN is a run id or its unique prefix (default: the newest run, of the job with -j). The
+    files are those under the run's outputs.path when the job (-j) has outputs:, else under the
+    run's workdir; PATH... (relative to that folder) narrows them. Files already here as an
+    earlier pull left them, and unchanged on the node, are skipped. Each file is checked by
+    sha256 on arrival (the node hashes the whole file as it reads it), then renamed into
+    place. An interrupted pull keeps its partial files (DIR/.dfo/partial/): the next one
+    fetches only the rest. Names starting with .dfo are never pulled; symlinks are not
+    followed (and not pulled).
+
+    \b
+    Exit codes: 0 done (or nothing to do); 2 bad usage (no such run or PATH);
+    3 a file did not match its sha256 on arrival; 4 the node could not be reached.
+    """
+    from ..steps.pull import pull
+    from ..steps.transfer import ProgressView
+
+    loaded = load_job(job_path) if job_path else None
+    if to and len(hosts) > 1:
+        raise click.UsageError("--to with several hosts would mix their files; pull one host at a time")
+    with session(ctx, hosts) as s, ProgressView(console, enabled=not as_json) as view:
+        outcomes = s.each(lambda conn: pull(conn, run=run, paths=list(paths), to=to, loaded=loaded,
+                                            on_event=view.callback(conn.name)))
+    return emit(outcomes, as_json, lambda r: r.to_json(), render_pull)
+
+
+COMMANDS = [sync_code, pull_cmd]
