@@ -221,3 +221,22 @@ def test_refused_dests(env: Env) -> None:
     assert env.sync()["deleted"] == 1
     assert env.sh("test -e /root/a.py || echo gone") == "gone\n"
     env.sh("rm -rf /root/.dfo/code-manifest.json /root/.dfo/code-tmp /root/.dfo/code.lock; rmdir /root/.dfo || true")
+
+
+def test_launch_leaves_a_live_runs_code_alone(env: Env) -> None:
+    (env.src / "train.py").write_text("import time\ntime.sleep(60)\n")
+    doc = {"name": f"c-{secrets.token_hex(3)}", "venv": "/usr", "code": {"source": "src"},
+           "run": {"workdir": env.dest, "command": "python3 train.py", "wait": 0, "stop_grace": 1}}
+    job = env.tmp / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    cache = {"XDG_CACHE_HOME": str(env.tmp / "cache")}
+    r = dfo(env.inv, "launch", "-H", env.node.name, "-j", str(job), "--json", env=cache)
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"][env.node.name]["run"]
+    try:
+        (env.src / "train.py").write_text("print('new code')\n")
+        again = dfo(env.inv, "launch", "-H", env.node.name, "-j", str(job), env=cache)
+        assert again.returncode == 2 and "already" in again.stderr, again.stderr
+        assert env.sh(f"cat {env.dest}/train.py") == "import time\ntime.sleep(60)\n"  # the live run's code, untouched
+    finally:
+        dfo(env.inv, "stop", "-H", env.node.name, run)
