@@ -14,12 +14,21 @@ checkpoints to ``--output-dir/ckpt-last.pt`` (temporary name, then rename) and r
 On a GPU with ``--target fla`` the target's mixing layers are FLA Gated DeltaNet layers and
 ``--dp-replicas N`` runs N data-parallel target replicas from threads (use dfo's autotune guard
 and sequential warmup: ``run.autotune_guard: true``).
+
+``--dp-pairs N`` is the seed run's shape: N data-parallel pairs of 2 devices each. Pair i holds
+its own copy of the frozen target on its first device (cuda:2i) and its own drafter copy on its
+second (cuda:2i+1); every pair's step (target forward, then drafter forward and backward) runs
+in a ThreadPoolExecutor thread, one per pair. The drafters' gradients are averaged on pair 0's
+drafter device, pair 0's optimizer steps, and the new weights are copied to the other drafters,
+so all drafters stay equal. 4 GPUs = 2 pairs; with fewer GPUs devices are shared (on one GPU
+everything sits on cuda:0), and on a CPU every pair runs on "cpu" (threads all the same).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import glob
 import json
 import math
@@ -151,6 +160,121 @@ def save(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _on(dev: torch.device):
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def pair_devices(n_pairs: int, device: str) -> list[tuple[torch.device, torch.device]]:
+    """(target device, drafter device) of each pair: cuda:2i and cuda:2i+1, wrapped onto the GPUs there are."""
+    if not device.startswith("cuda"):
+        return [(torch.device("cpu"), torch.device("cpu"))] * n_pairs
+    n_gpu = max(1, torch.cuda.device_count())
+    if n_gpu < 2 * n_pairs:
+        print(f"pairs: {n_pairs} pairs want {2 * n_pairs} GPUs, {n_gpu} visible: devices are shared", flush=True)
+    return [(torch.device(f"cuda:{2 * i % n_gpu}"), torch.device(f"cuda:{(2 * i + 1) % n_gpu}"))
+            for i in range(n_pairs)]
+
+
+def train_pairs(a: argparse.Namespace) -> int:
+    """--dp-pairs N: per pair its own target and drafter copy, one thread per pair, drafter grads averaged."""
+    torch.manual_seed(a.seed)
+    os.makedirs(a.output_dir, exist_ok=True)
+    ckpt_path = os.path.join(a.output_dir, "ckpt-last.pt")
+    tokens, doc_ids = load_shards(a.data_dir)
+    n, pairs = a.dp_pairs, pair_devices(a.dp_pairs, a.device)
+    targets = []
+    for tdev, _ in pairs:
+        t, cfg = load_target(a.target_model, a.target)
+        targets.append(t.to(tdev, dtype=torch.bfloat16 if a.target == "fla" else torch.float32))
+    base = Drafter(cfg["d_model"], cfg["vocab"], a.block_size, a.width)
+    drafters = [copy.deepcopy(base).to(ddev) for _, ddev in pairs]
+    master, mdev = drafters[0], pairs[0][1]
+    opt = torch.optim.AdamW(master.parameters(), lr=a.lr)
+    step, total = 0, 0
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location=mdev)
+        master.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["opt"])
+        step, total = ck["step"], ck.get("tokens", 0)
+        print(f"resumed from {ckpt_path} at step {step}", flush=True)
+
+    def sync_drafters() -> None:
+        with torch.no_grad():
+            for d in drafters[1:]:
+                for p, q in zip(d.parameters(), master.parameters(), strict=True):
+                    p.copy_(q)
+
+    sync_drafters()
+    per_step = a.batch_size * n * a.seq_len
+    print(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
+          f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); pairs: "
+          f"{[(str(t), str(d)) for t, d in pairs]}; tokens/step {per_step}", flush=True)
+    gen = torch.Generator().manual_seed(a.seed + step)
+    it = batches(tokens, doc_ids, a.seq_len, a.batch_size * n, a.block_size, gen)
+    offsets = torch.arange(1, a.block_size + 1)
+
+    def target_forward(i: int, x: torch.Tensor) -> torch.Tensor:
+        tdev = pairs[i][0]
+        with torch.no_grad(), _on(tdev):
+            return targets[i](x.to(tdev))
+
+    def pair_step(i: int, x: torch.Tensor, b_idx: torch.Tensor, t_idx: torch.Tensor, labels: torch.Tensor):
+        """One pair's work, in its own thread: target forward, then the drafter's forward and backward."""
+        ddev = pairs[i][1]
+        hidden = target_forward(i, x)
+        with _on(ddev):
+            h = hidden[b_idx.to(hidden.device), t_idx.to(hidden.device)].float().to(ddev)
+            logits = drafters[i](h)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.to(ddev).reshape(-1))
+            loss.backward()
+        return loss.detach().to(mdev)
+
+    if a.warmup and a.device.startswith("cuda"):
+        sys.path.insert(0, os.environ.get("DFO_AGENT_DIR", ""))
+        from remote.gpu.warmup import sequential_warmup  # shipped by dfo on the node
+
+        x0, _ = next(it)
+        first = {}
+        for i, (tdev, _) in enumerate(pairs):
+            first.setdefault(str(tdev), i)   # one warmup per target device (shared devices warm once)
+        rep = sequential_warmup({dev: (lambda i=i: target_forward(i, x0[: a.batch_size]))
+                                 for dev, i in first.items()})
+        print(f"warmup: {json.dumps(rep, default=str)}", flush=True)
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="pair")
+    t0, seen = time.time(), 0
+    while step < a.max_steps:
+        x, valid = next(it)
+        work = []
+        for i, (xc, vc) in enumerate(zip(x.chunk(n), valid.chunk(n), strict=True)):
+            b_idx, t_idx = vc.nonzero(as_tuple=True)   # anchors drawn here, in order: the threads use no generator
+            if b_idx.numel() > a.max_anchors:
+                pick = torch.randperm(b_idx.numel(), generator=gen)[: a.max_anchors]
+                b_idx, t_idx = b_idx[pick], t_idx[pick]
+            work.append((i, xc, b_idx, t_idx, xc[b_idx[:, None], t_idx[:, None] + offsets]))
+        for d in drafters:
+            d.zero_grad(set_to_none=True)
+        losses = list(pool.map(lambda w: pair_step(*w), work))
+        if n > 1:   # the mean over pairs of each parameter's gradient, on the master drafter
+            for ps in zip(*(d.parameters() for d in drafters), strict=True):
+                ps[0].grad = torch.stack([p.grad.to(mdev) for p in ps]).mean(0)
+        opt.step()
+        sync_drafters()
+        loss = torch.stack(losses).mean()
+        step += 1
+        seen += x.numel()
+        total += x.numel()
+        if step % a.log_interval == 0 or step == a.max_steps:
+            el = time.time() - t0
+            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} elapsed {el:.1f}s",
+                  flush=True)
+        if step % a.save_interval == 0 or step == a.max_steps:
+            save(ckpt_path, {"drafter": master.state_dict(), "opt": opt.state_dict(), "step": step,
+                             "tokens": total, "dp_pairs": n})
+    pool.shutdown()
+    print(f"done: {step} steps, {total} tokens, checkpoint {ckpt_path}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target-model", required=True)
@@ -159,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", choices=["plain", "fla"], default="plain")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dp-replicas", type=int, default=1, help="target replicas run from threads (one per GPU)")
+    ap.add_argument("--dp-pairs", type=int, default=0,
+                    help="N data-parallel pairs (target on cuda:2i, drafter on cuda:2i+1), one thread each")
     ap.add_argument("--max-steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -171,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", action="store_true", help="sequential warmup of every replica before threads start")
     a = ap.parse_args(argv)
+    if a.dp_pairs < 0 or (a.dp_pairs and a.dp_replicas > 1):
+        ap.error("--dp-pairs takes N >= 1 and does not combine with --dp-replicas")
+    if a.dp_pairs:
+        return train_pairs(a)
 
     torch.manual_seed(a.seed)
     os.makedirs(a.output_dir, exist_ok=True)
