@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from remote.redact import is_secret
 
+from . import jobrules
 from .errors import ConfigError, UsageError
 from .yamlpos import load_model
 
@@ -227,15 +229,21 @@ def expand_targets(inv: Inventory, targets: tuple[str, ...] | list[str], inv_pat
 # --------------------------------------------------------------------------- job files
 
 
+# the rules of single fields (orchestrator.jobrules): a broken one is FILE:LINE: field: message, exit 2
+PackageSpec = Annotated[str, AfterValidator(jobrules.package_spec)]
+IndexLocation = Annotated[str, AfterValidator(jobrules.index_location)]
+NodePath = Annotated[str, AfterValidator(jobrules.node_path)]
+
+
 class IndexConfig(Strict):
-    url: str | None = None
-    extra_urls: list[str] = []
-    find_links: list[str] = []
+    url: IndexLocation | None = None
+    extra_urls: list[IndexLocation] = []
+    find_links: list[IndexLocation] = []
     no_index: bool = False
 
 
 class Override(Strict):
-    package: str
+    package: Annotated[str, AfterValidator(jobrules.override_spec)]
     reason: str = Field(min_length=3)
 
     @property
@@ -254,14 +262,14 @@ class S3Config(Strict):
 
 
 class ModelConfig(Strict):
-    source: str
-    dest: str
+    source: Annotated[str, AfterValidator(lambda v: jobrules.transfer_source(v, "model"))]
+    dest: NodePath
     margin_pct: float = Field(default=5.0, ge=0)
 
 
 class DataConfig(Strict):
-    source: str
-    dest: str
+    source: Annotated[str, AfterValidator(lambda v: jobrules.transfer_source(v, "data"))]
+    dest: NodePath
     delete: bool = False
 
 
@@ -276,8 +284,21 @@ class CodeConfig(Strict):
 class RunConfig(Strict):
     workdir: str = "/root"
     upload: list[str] = []
-    command: str
+    command: Annotated[str, AfterValidator(lambda v: jobrules.command_placeholders(v, {}))]
     env: dict[str, str] = {}
+
+    @field_validator("upload")
+    @classmethod
+    def _one_name_each(cls, v: list[str]) -> list[str]:
+        """Each file lands in run.workdir under its own name: no two entries may share one."""
+        seen: dict[str, str] = {}
+        for rel in v:
+            name = Path(rel).name
+            if name in seen:
+                raise jobrules.fail(f"{rel!r} and {seen[name]!r} would both land as {name} in run.workdir: "
+                                    "rename one of them")
+            seen[name] = rel
+        return v
 
     @field_validator("env", mode="before")
     @classmethod
@@ -298,7 +319,7 @@ class Job(Strict):
     python: str = "python3"
     venv: str = "/root/venv"
     installer: Literal["uv", "pip"] = "pip"
-    packages: list[str] = []
+    packages: list[PackageSpec] = []
     index: IndexConfig = IndexConfig()
     overrides: list[Override] = []
     workspace: str | None = None
@@ -313,6 +334,18 @@ class Job(Strict):
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError("must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("run")
+    @classmethod
+    def _run_sections(cls, v: RunConfig | None, info: ValidationInfo) -> RunConfig | None:
+        """run.command's {model.dest} / {data.dest} need their section (model: and data: are read first)."""
+        if v is not None:
+            present = {k: info.data[k] is not None for k in ("model", "data") if k in info.data}
+            try:
+                jobrules.command_placeholders(v.command, present)
+            except PydanticCustomError as exc:
+                raise jobrules.fail(f"run.command {exc.message()}") from None
         return v
 
     @property

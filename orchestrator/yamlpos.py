@@ -31,6 +31,14 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def line_in_file(path: Path, loc: tuple[Any, ...]) -> int:
+    """The 1-based line of the field at ``loc`` in a YAML file (1 when it cannot be read or found)."""
+    try:
+        return _line_of(yaml.compose(path.read_text(encoding="utf-8")), loc) or 1
+    except (OSError, yaml.YAMLError):
+        return 1
+
+
 def _describe(err: dict[str, Any]) -> str:
     msg = err.get("msg", "invalid")
     if err.get("type") == "extra_forbidden":

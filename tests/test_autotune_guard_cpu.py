@@ -21,7 +21,7 @@ import pytest
 
 from remote import known_bad as kb
 from remote.gpu import autotune_guard as guard
-from remote.gpu.warmup import _diff
+from remote.gpu.warmup import tuned_between
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE_DIR = ROOT / "remote" / "gpu" / "sitecustomize_guard"
@@ -507,8 +507,8 @@ def test_warmup_diff_names_new_keys() -> None:
     k2 = types.SimpleNamespace(base_fn=types.SimpleNamespace(__name__="kern_b"))
     before = {1: (k1, {(4096, "torch.float32")})}
     after = {1: (k1, {(4096, "torch.float32"), (8192, "torch.float32")}), 2: (k2, {(1,)})}
-    assert _diff(before, after) == {"kern_a": ["(8192, 'torch.float32')"], "kern_b": ["(1,)"]}
-    assert _diff(after, after) == {}
+    assert tuned_between(before, after) == {"kern_a": ["(8192, 'torch.float32')"], "kern_b": ["(1,)"]}
+    assert tuned_between(after, after) == {}
 
 
 def test_preflight_without_torch_reports_a_problem(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -213,15 +214,27 @@ def test_an_error_with_a_binary_body_is_described_not_printed(binary403: SXfer) 
 
 
 def test_error_bodies_are_quoted_only_when_short_printable_text() -> None:
-    from remote.s3client import _error_fields
+    from remote.s3client import S3Client, S3Error
+
+    c = S3Client("http://127.0.0.1:9", "us-east-1", None)
+
+    def error(body: bytes, ctype: str | None, length: int | None, complete: bool, status: int = 400) -> S3Error:
+        """The error S3Client.check makes of an answer with this body (read as http.client would)."""
+        resp = _Resp(status, {k: v for k, v in (("Content-Type", ctype), ("Content-Length", length)) if v is not None})
+        resp.body, resp.complete = body, complete
+        with pytest.raises(S3Error) as info:
+            c.check(resp, "b", "k", "GET")
+        return info.value
 
     xml = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>The key\tis  gone</Message></Error>"
-    assert _error_fields(xml, "application/xml", len(xml), True) == ("NoSuchKey", "The key is gone", None)
+    err = error(xml, "application/xml", len(xml), True, 404)
+    assert err.code == "NoSuchKey" and str(err).endswith("NoSuchKey (HTTP 404): The key is gone"), str(err)
     odd = b"<Error><Code>not a code!</Code><Message>" + b"m" * 500 + b"</Message></Error>"
-    code, message, _ = _error_fields(odd, "application/xml", len(odd), True)
-    assert code is None and message is not None and len(message) <= 300 and message.endswith("...")
-    assert _error_fields(b"slow down", "text/plain", 9, True) == (None, "slow down", None)
-    assert _error_fields(b"", "text/plain", 0, True) == (None, None, None)
+    err = error(odd, "application/xml", len(odd), True)
+    message = str(err).split("(HTTP 400): ", 1)[1]
+    assert err.code == "HTTP400" and len(message) <= 300 and message.endswith("...")
+    assert str(error(b"slow down", "text/plain", 9, True, 503)).endswith("HTTP503 (HTTP 503): slow down")
+    assert str(error(b"", "text/plain", 0, True)).endswith("(HTTP 400)")
     for body, ctype, length, complete, shown in [
         (bytes(range(256)), "application/octet-stream", 256, True, "application/octet-stream, 256 bytes"),
         (b"\xff\xfe bad utf-8", "text/plain", 12, True, "text/plain, 12 bytes"),
@@ -230,12 +243,25 @@ def test_error_bodies_are_quoted_only_when_short_printable_text() -> None:
         (b"", "application/octet-stream", 10 << 20, False, "application/octet-stream, 10485760 bytes"),
         (b"\x00" * 65537, None, None, False, "no content type, at least 65537 bytes"),
     ]:
-        assert _error_fields(body, ctype, length, complete) == (None, f"body not shown ({shown})", None)
+        err = error(body, ctype, length, complete)
+        assert err.code == "HTTP400" and str(err).endswith(f"(HTTP 400): body not shown ({shown})"), str(err)
 
 
 class _Resp:
-    def __init__(self, status: int, headers: dict[str, str]) -> None:
-        self.status, self.headers = status, {k.lower(): v for k, v in headers.items()}
+    """What S3Client reads of an http.client response (the body, for an error, with read(n))."""
+
+    def __init__(self, status: int, headers: dict[str, Any]) -> None:
+        self.status, self.headers = status, {k.lower(): str(v) for k, v in headers.items()}
+        self.body, self.complete, self.will_close = b"", True, False
+
+    def read(self, n: int) -> bytes:
+        return self.body[:n]
+
+    def isclosed(self) -> bool:
+        return self.complete
+
+    def close(self) -> None:
+        pass
 
     def getheader(self, name: str) -> str | None:
         return self.headers.get(name.lower())

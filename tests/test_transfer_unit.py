@@ -236,9 +236,9 @@ def test_controller_credentials_and_request(tmp_path: Path, monkeypatch: pytest.
                                        "data: {source: 's3://b/p', dest: /w/d, delete: true}\n"), "data")
     assert req["credentials"] == {"access_key": "EA", "secret_key": "ES", "session_token": None}
     assert (req["delete"], req["margin_pct"], req["endpoint_url"]) == (True, 0.0, "http://h:1")
-    job = _job(tmp_path, "name: j\nmodel: {source: 'gs://b/m', dest: /dev/shm/m}\n")
-    with pytest.raises(ConfigError, match="model.source 'gs://b/m'"):
-        build_request(job, "model")
+    with pytest.raises(ConfigError, match="j.yaml:2: model.source: 'gs://b/m'"):  # a rule of the model (FILE:LINE)
+        _job(tmp_path, "name: j\nmodel: {source: 'gs://b/m', dest: /dev/shm/m}\n")
+    job = _job(tmp_path, "name: j\nmodel: {source: 's3://b/m/', dest: /dev/shm/m}\n")
     with pytest.raises(ConfigError, match="needs a 'data:' section"):
         build_request(job, "data")
 

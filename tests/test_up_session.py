@@ -13,7 +13,7 @@ import yaml
 from orchestrator import agent
 from orchestrator.config import ResolvedHost, load_job
 from orchestrator.connection import Result
-from orchestrator.errors import AgentMissing, HostError, NoResult, VerifyError
+from orchestrator.errors import AgentMissing, ConfigError, HostError, NoResult, VerifyError
 from orchestrator.steps import transfer
 
 # ------------------------------------------------------------------------- typed errors (pure logic)
@@ -84,6 +84,46 @@ def test_transfer_tells_errors_apart_by_class_not_by_words(tmp_path: Path) -> No
     with pytest.raises(HostError) as ei:
         _xfer(tmp_path, _res("", "something else entirely", 137))
     assert "stopped without a result" in ei.value.message
+
+
+
+# ------------------------------------------------------------------------- job rules in the models: FILE:LINE
+
+_JOB_ERRORS = [  # (the job's text, the line at fault, the field, words of the message)
+    ("name: j\npackages:\n  - torch==2.1\n  - faketriton>=3.*\n", 4, "packages.1", "not a valid package spec"),
+    ("name: j\noverrides:\n  - {package: triton, reason: fixes}\n", 3, "overrides.0.package", "names no version"),
+    ("name: j\nindex:\n  extra_urls: ['https://u:IDXSECRET@h/simple  x']\n", 3, "index.extra_urls.0",
+     "'https://***@h/simple  x' contains whitespace"),
+    ("name: j\ndata:\n  source: gs://b/x\n  dest: /d\n", 3, "data.source", "is not s3://bucket/prefix/"),
+    ("name: j\ndata:\n  source: s3:///x\n  dest: /d\n", 3, "data.source", "names no bucket"),
+    ("name: j\nmodel:\n  source: /m\n  dest: rel/dir\n", 4, "model.dest", "must be an absolute path"),
+    ("name: j\nmodel:\n  source: hf://just-a-name\n  dest: /d\n", 3, "model.source", "expected hf://org/name"),
+    ("name: j\nrun:\n  command: python3 t.py {nope}\n", 3, "run.command", "unknown placeholder {nope}"),
+    ("name: j\nrun:\n  command: python3 t.py {data.dest}\n", 2, "run", "no 'data:' section"),
+    ("name: j\nrun:\n  upload: [a/t.py, b/t.py]\n  command: x\n", 3, "run.upload", "would both land as t.py"),
+]
+
+
+@pytest.mark.parametrize("text,line,field,words", _JOB_ERRORS)
+def test_job_rules_are_model_errors_with_file_and_line(tmp_path: Path, text: str, line: int, field: str,
+                                                       words: str) -> None:
+    job = tmp_path / "j.yaml"
+    job.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_job(job)
+    assert ei.value.message.startswith(f"{job}:{line}: {field}: "), ei.value.message
+    assert words in ei.value.message and "SECRET" not in ei.value.render()
+
+
+def test_a_missing_upload_names_its_line(tmp_path: Path) -> None:
+    from orchestrator.commands.preflight import check_run
+
+    (tmp_path / "here.py").write_text("")
+    job = tmp_path / "j.yaml"
+    job.write_text("name: j\nrun:\n  command: x\n  upload:\n    - here.py\n    - gone.py\n")
+    with pytest.raises(ConfigError) as ei:
+        check_run(load_job(job))
+    assert ei.value.message.startswith(f"{job.resolve()}:6: run.upload.1: 'gone.py' does not exist")
 
 
 # ------------------------------------------------------------------------- up: one session, --json (testbed)

@@ -8,54 +8,49 @@ from typing import Any
 
 from ..config import LoadedJob
 from ..errors import ConfigError
-from ..steps.provision import validate_job
-from ..steps.runs import render_command, split_env
+from ..steps.runs import split_env
 from ..steps.transfer import build_request
+from ..yamlpos import line_in_file
 
 
 def check_uploads(loaded: LoadedJob) -> None:
-    """Every run.upload entry is a readable file (paths relative to the job file), and no two land
-    under the same name in run.workdir."""
+    """Every run.upload entry is a readable file (paths relative to the job file). The error names the
+    job file's line of the entry. (Two entries landing under one name is a rule of the field itself.)"""
     run = loaded.job.run
     if run is None:
         return
     where = loaded.path.parent
-    landed: dict[str, str] = {}
-    for rel in run.upload:
+    for i, rel in enumerate(run.upload):
         local = where / rel
+        problem = None
         if local.is_dir():
-            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} is a folder ({local}); run.upload takes files",
-                              hint="list its files in run.upload one by one, or push folders with code: "
-                                   "(coming in the code-push feature)")
-        if not local.exists():
-            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} does not exist ({local})",
-                              hint=f"paths in run.upload are relative to the job file, here {where}")
-        if not local.is_file():
-            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} is not a regular file ({local})",
-                              hint="run.upload takes regular files")
-        if not os.access(local, os.R_OK):
-            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} cannot be read ({local})",
-                              hint="check its permissions")
-        if local.name in landed:
-            raise ConfigError(f"{loaded.path}: run.upload: {rel!r} and {landed[local.name]!r} would both land as "
-                              f"{local.name} in run.workdir", hint="rename one of them")
-        landed[local.name] = rel
+            problem = (f"is a folder ({local}); run.upload takes files",
+                       "list its files in run.upload one by one, or push folders with code: "
+                       "(coming in the code-push feature)")
+        elif not local.exists():
+            problem = (f"does not exist ({local})", f"paths in run.upload are relative to the job file, here {where}")
+        elif not local.is_file():
+            problem = (f"is not a regular file ({local})", "run.upload takes regular files")
+        elif not os.access(local, os.R_OK):
+            problem = (f"cannot be read ({local})", "check its permissions")
+        if problem is not None:
+            line = line_in_file(loaded.path, ("run", "upload", i))
+            raise ConfigError(f"{loaded.path}:{line}: run.upload.{i}: {rel!r} {problem[0]}", hint=problem[1])
 
 
 def check_run(loaded: LoadedJob) -> None:
-    """The run: section as launch needs it: upload files, command placeholders, secret variables."""
+    """The run: section as launch needs it, beyond its fields: upload files, secret variables."""
     if loaded.job.run is None:
         return
     check_uploads(loaded)
-    render_command(loaded.job)
     split_env(loaded)
 
 
 def check_job(loaded: LoadedJob) -> dict[str, dict[str, Any]]:
-    """Everything `up` can check here before its first step (each failure is exit 2): package specs,
-    the model:/data: sections and their S3 credentials, and the run: section. Returns the transfer
-    requests by section ("model", "data"), credentials included (for the node's stdin only)."""
-    validate_job(loaded)
+    """What `up` checks here, beyond the job's own fields (checked when it was read), before its first
+    step (each failure is exit 2): the S3 credentials of model:/data:, and run.upload files and
+    secret variables. Returns the transfer requests by section ("model", "data"), credentials
+    included (for the node's stdin only)."""
     requests: dict[str, dict[str, Any]] = {}
     if loaded.job.model is not None:
         requests["model"] = build_request(loaded, "model")

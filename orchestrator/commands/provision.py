@@ -19,7 +19,7 @@ from ..cli_common import (
 )
 from ..config import LoadedJob, load_job
 from ..errors import EXIT_OK, DfoError
-from ..steps.provision import ProvisionReport, provision, validate_job
+from ..steps.provision import ProvisionReport, provision
 
 if TYPE_CHECKING:
     from ..hosts import HostSession, Outcome
@@ -93,8 +93,7 @@ def provision_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_
     Exit codes: 0 done; 2 bad job file or package spec; 3 an install or its verification
     failed (also: the job's python or the node's python3 is missing); 4 host unreachable.
     """
-    loaded = load_job(job_path)
-    validate_job(loaded)
+    loaded = load_job(job_path)  # package specs, overrides and index checked there (exit 2, FILE:LINE)
     with session(ctx, hosts) as s:
         outcomes = run_provision(s, loaded, quiet=as_json, clear_triton_cache=clear_triton_cache)
     if as_json:

@@ -107,10 +107,7 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
     with session(ctx, hosts) as s:
         outcomes = s.each(one)
 
-    def to_json(r: Any) -> dict[str, Any]:
-        return r.to_json()
-
-    return emit(outcomes, as_json, to_json, render)
+    return emit(outcomes, as_json, VerifyReport.model_dump, render)
 
 
 COMMANDS = [verify_env_cmd]

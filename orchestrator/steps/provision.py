@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier
 from packaging.utils import canonicalize_name
@@ -22,8 +21,7 @@ from remote.redact import redact, redact_obj
 from ..agent import run_module
 from ..config import Job, LoadedJob
 from ..connection import Connection
-from ..errors import EXIT_OK, ConfigError, DfoError
-from ..yamlpos import _line_of
+from ..errors import EXIT_OK, DfoError
 
 INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
 
@@ -45,40 +43,6 @@ class ProvisionReport(BaseModel):
     def failed(cls, host: str, err: DfoError) -> ProvisionReport:
         """A host where provision never got an answer (unreachable, ...)."""
         return cls(host=host, ok=False, error=err.to_json(), exit_code=err.exit_code)
-
-
-def _spec_error(loaded: LoadedJob, loc: tuple[Any, ...], spec: str, exc: Exception) -> ConfigError:
-    line = None
-    try:
-        line = _line_of(yaml.compose(loaded.path.read_text(encoding="utf-8")), loc)
-    except (OSError, yaml.YAMLError):
-        pass
-    field = ".".join(str(p) for p in loc)
-    why = redact((str(exc).splitlines() or ["?"])[0])
-    return ConfigError(f"{loaded.path}:{line or 1}: {field}: {redact(spec)!r} is not a valid package spec ({why})",
-                       hint="write it as PEP 508 wants, e.g. torch==2.11.0, triton>=3.6, 'pkg[extra]==1.0'")
-
-
-def validate_job(loaded: LoadedJob) -> None:
-    """Every package line and override must parse as a PEP 508 requirement (else ConfigError, exit 2)."""
-    job = loaded.job
-    for i, spec in enumerate(job.packages):
-        try:
-            Requirement(spec)
-        except (InvalidRequirement, InvalidSpecifier) as exc:
-            raise _spec_error(loaded, ("packages", i), spec, exc) from None
-    for i, o in enumerate(job.overrides):
-        try:
-            req = Requirement(o.package)
-        except (InvalidRequirement, InvalidSpecifier) as exc:
-            raise _spec_error(loaded, ("overrides", i, "package"), o.package, exc) from None
-        if not str(req.specifier) and not req.url:
-            raise ConfigError(f"{loaded.path}: overrides[{i}]: {o.package!r} names no version",
-                              hint="an override replaces a pin with a version: write e.g. triton==3.7.0")
-    for u in job.index.extra_urls + job.index.find_links + [job.index.url or ""]:
-        if any(c.isspace() for c in u):
-            raise ConfigError(f"{loaded.path}: index: {redact(u)!r} contains whitespace",
-                              hint="index URLs and find_links paths cannot contain spaces")
 
 
 def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = False,

@@ -29,13 +29,13 @@ from ..config import Job, LoadedJob, RunConfig, is_secret_env
 from ..connection import Connection
 from ..diagnosis import Diagnosis, diagnose
 from ..errors import ConfigError
+from ..jobrules import PLACEHOLDERS, fill_placeholders
+from ..yamlpos import line_in_file
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 
 MODULE = logstream.MODULE
 TAIL_FOR_DIAGNOSIS = 80
-_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
-PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
 
 
 class RunInfo(BaseModel):
@@ -182,7 +182,7 @@ def render_command(job: Job, *, run_id: str | None = None, workspace: str | None
                               hint=f"add {section}: {{source: ..., dest: ...}} or drop {{{key}}}")
         return shlex.quote(value)
 
-    return _PLACEHOLDER.sub(sub, job.run.command).strip()
+    return fill_placeholders(job.run.command, sub).strip()
 
 
 def new_run_id(job_name: str) -> str:
@@ -202,7 +202,8 @@ def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
         if name not in run.env:
             value = os.environ.get(name)
             if value is None:
-                raise ConfigError(f"{loaded.path}: run.secret_env: {name} is not set in this shell's environment",
+                line = line_in_file(loaded.path, ("run", "secret_env", run.secret_env.index(name)))
+                raise ConfigError(f"{loaded.path}:{line}: run.secret_env: {name} is not set in this shell's environment",
                                   hint=f"export {name}=... before launching (it reaches the node on stdin only)")
             secret[name] = value
     return plain, secret

@@ -26,6 +26,7 @@ from ..agent import run_module
 from ..config import LoadedJob, S3Config
 from ..connection import Connection
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
+from ..jobrules import source_kind
 from .runs import job_workspace
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
@@ -57,34 +58,6 @@ class TransferReport(BaseModel):
 
 
 # --------------------------------------------------------------------------- the job
-
-
-def source_kind(source: str) -> str:
-    if source.startswith("s3://"):
-        return "s3"
-    if source.startswith("hf://"):
-        return "hf"
-    if source.startswith(("/", "~", "file://")):
-        return "path"
-    return "unknown"
-
-
-def validate(loaded: LoadedJob, what: What) -> None:
-    """The section exists, its source is of a kind this command takes, its dest is absolute (else exit 2)."""
-    section: Any = loaded.need(what)
-    src, dest, p = section.source.strip(), section.dest.strip(), loaded.path
-    kind = source_kind(src)
-    allowed = ("s3",) if what == "data" else ("s3", "hf", "path")
-    if kind not in allowed:
-        want = "s3://bucket/prefix/" if what == "data" else "s3://bucket/prefix/, hf://org/name or /a/path/on/the/node"
-        raise ConfigError(f"{p}: {what}.source {src!r} is not {want}", hint=f"fix {what}.source in the job file")
-    if kind == "s3" and (len(src) <= 5 or src[5] == "/"):
-        raise ConfigError(f"{p}: {what}.source {src!r} names no bucket", hint="write it as s3://bucket/prefix/")
-    if kind == "hf" and src[5:].split("@")[0].count("/") != 1:
-        raise ConfigError(f"{p}: {what}.source {src!r}: expected hf://org/name or hf://org/name@revision")
-    if not dest.startswith(("/", "~")):
-        raise ConfigError(f"{p}: {what}.dest {dest!r} must be an absolute path on the node",
-                          hint="for example /workspace/data or /dev/shm/model")
 
 
 def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None] | None:
@@ -133,8 +106,8 @@ def hf_token() -> str | None:
 
 
 def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> dict[str, Any]:
-    """The request for the node (credentials included: send it on stdin only)."""
-    validate(loaded, what)
+    """The request for the node (credentials included: send it on stdin only). The section's fields
+    were checked when the job was read (orchestrator.jobrules)."""
     job = loaded.job
     section: Any = loaded.need(what)
     kind = source_kind(section.source.strip())

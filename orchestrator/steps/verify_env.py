@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
 from ..agent import run_module
 from ..config import Job
@@ -49,7 +49,9 @@ class VerifyReport(BaseModel):
     def exit_code(self) -> int:
         return EXIT_OK if self.ok else EXIT_VERIFY
 
-    def to_json(self) -> dict[str, Any]:
+    @model_serializer(mode="plain")
+    def _document(self) -> dict[str, Any]:
+        """The verify-env --json document for this host (model_dump gives it)."""
         f = self.facts
         return {
             "ok": self.ok,

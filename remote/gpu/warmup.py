@@ -41,7 +41,9 @@ def _snapshot() -> Dict[int, Tuple[Any, Set[Any]]]:
     return snap
 
 
-def _diff(before: Dict[int, Tuple[Any, Set[Any]]], after: Dict[int, Tuple[Any, Set[Any]]]) -> Dict[str, List[str]]:
+def tuned_between(before: Dict[int, Tuple[Any, Set[Any]]], after: Dict[int, Tuple[Any, Set[Any]]]
+                  ) -> Dict[str, List[str]]:
+    """The autotuner cache keys new in ``after`` (snapshots: id -> (kernel, keys)), by kernel name."""
     tuned: Dict[str, List[str]] = {}
     for ident, (kernel, keys) in after.items():
         old = before.get(ident, (kernel, set()))[1]
@@ -94,7 +96,7 @@ def sequential_warmup(
             entry["error"] = "%s: %s" % (type(exc).__name__, exc)
         entry["seconds"] = round(time.perf_counter() - t0, 4)
         after = _snapshot()
-        entry["tuned"] = _diff(before, after)
+        entry["tuned"] = tuned_between(before, after)
         entry["tuned_keys"] = sum(len(v) for v in entry["tuned"].values())
         before = after
         devices.append(entry)
