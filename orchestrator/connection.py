@@ -23,7 +23,9 @@ All SSH options live here, in one commented place:
 * an explicit timeout on every call (``run(..., timeout=)``); Ctrl-C leaves at once (the loop
   waits in 0.25 s slices);
 * commands run on a paramiko channel of fabric's transport, with dfo's own loop (streaming
-  on_line, bounded stdout and stderr), not invoke's runners;
+  on_line, bounded stdout and stderr), not invoke's runners. Output is read to the channel's EOF
+  (sshd sends the exit status first; the output's tail may follow it), or AFTER_EXIT_S without a
+  byte after the exit status when a process the command left behind holds its output open;
 * remote environment is never passed with ``setenv`` (sshd's AcceptEnv would drop it);
   secrets travel on stdin only.
 """
@@ -54,6 +56,7 @@ __all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fing
 
 LOST_HINT = ("once the node answers again, run the same command again "
              "(provision, stage-model and sync-data resume where they stopped)")
+AFTER_EXIT_S = 2.0  # after the exit status, output is read to EOF, or until this long without a byte
 MAX_HOPS = 8  # a longer ProxyJump chain is a loop in ssh_config (Host * ProxyJump ...)
 
 # paramiko logs its own tracebacks (banner errors, refused channels) to stderr; dfo reports those
@@ -291,6 +294,7 @@ class Connection(Transport):
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
         out, err = _Collector(on_line), _Tail()
+        exited: float | None = None  # when the exit status was seen (then again at each byte after it)
         try:
             while True:
                 if time.monotonic() - start > limit:
@@ -309,7 +313,16 @@ class Connection(Transport):
                     err.feed(chan.recv_stderr(65536))
                     got = True
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    break
+                    # sshd sends the exit status when the shell exits; output still in flight follows
+                    # it, up to the channel's EOF. Read on to that EOF, or AFTER_EXIT_S without a byte
+                    # (a process the command left behind holds the output open)
+                    now = time.monotonic()
+                    if chan.eof_received or chan.closed:
+                        break
+                    if got or exited is None:
+                        exited = now
+                    elif now - exited > AFTER_EXIT_S:
+                        break
                 if not got and (chan.closed or not transport.is_active()):
                     if not transport.is_active():
                         raise self._lost("the connection closed while a command ran")

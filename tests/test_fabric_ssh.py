@@ -313,6 +313,19 @@ def test_stderr_is_bounded_to_its_tail(transport: str, request: pytest.FixtureRe
     assert res.stderr.endswith("THE-END\n") and "bytes of stderr were dropped" in res.stderr
 
 
+@on_testbed
+def test_output_written_after_the_exit_status_is_not_lost(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """sshd sends the exit status when the shell exits, and the output still in flight after it:
+    the call reads on to the channel's EOF (as OpenSSH's client does), so the tail of stdout and
+    stderr (a result frame, the end of a traceback) is never cut off."""
+    conn = conn_for(inventory(testbed, tmp_path), testbed.nodes[0].name)
+    try:
+        res = conn.run("(sleep 1; echo LATE-ERR >&2; echo LATE-OUT) & echo now")
+    finally:
+        conn.close()
+    assert res.ok and res.stdout.split() == ["now", "LATE-OUT"] and res.stderr.strip() == "LATE-ERR", res
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -344,3 +357,14 @@ def test_the_local_transport_kills_what_its_call_started_when_the_call_ends_earl
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), f"still running: {[p for p in pids if _alive(p)]}"
+
+
+@pytest.mark.parametrize("bad", ["Host x\n  Port\n", "Host x\n  Match foo\n"])
+def test_an_unreadable_ssh_config_is_exit_2_naming_the_file(tmp_path: Path, bad: str) -> None:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(bad)
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("hosts:\n  a: {host: 192.0.2.1}\n")
+    r = dfo(inv, "verify-env", "-H", "a", env={"DFO_SSH_CONFIG": str(cfg)}, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert str(cfg) in r.stderr and "Traceback" not in r.stderr, r.stderr
