@@ -122,15 +122,30 @@ def ssh_configuration() -> Any:
         else:
             kw = {"user_ssh_path": str(path)}
         cfg = fabric.Config(lazy=True, **kw)  # lazy: fabric's own files (~/.fabric.yaml) play no part
-        cfg.load_ssh_config()
+        try:
+            cfg.load_ssh_config()
+        except Exception as exc:  # noqa: BLE001 - paramiko's ConfigParseError, an unreadable file
+            raise _ssh_config_error(files, exc) from None
         _SSH_CONFIGS.clear()
         _SSH_CONFIGS[key] = cfg
     return _SSH_CONFIGS[key]
 
 
+def _ssh_config_error(files: list[Path], exc: Exception) -> ConfigError:
+    where = " or ".join(str(f) for f in files if f.is_file()) or str(files[0])
+    return ConfigError(f"{where}: cannot read ssh_config: {exc}",
+                       hint="fix the line (see ssh_config(5)), or point DFO_SSH_CONFIG at another file")
+
+
 def _ssh_config_lookup(alias: str) -> dict[str, object]:
     """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded)."""
-    return dict(ssh_configuration().base_ssh_config.lookup(alias))
+    cfg = ssh_configuration()
+    try:
+        return dict(cfg.base_ssh_config.lookup(alias))
+    except Exception as exc:  # noqa: BLE001 - a Match that paramiko cannot evaluate
+        path = ssh_config_path()
+        raise _ssh_config_error([path] if "DFO_SSH_CONFIG" in os.environ
+                                else [path, Path("/etc/ssh/ssh_config")], exc) from None
 
 
 def _proxy(own: str | None, sshc: dict[str, object], default: str | None) -> tuple[str | None, str | None]:
