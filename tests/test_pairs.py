@@ -5,6 +5,7 @@ orchestrator.demo_data). Needs torch in the Python running the tests; without it
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -73,6 +74,44 @@ def test_pairs_resume_from_checkpoint(src: Path, tmp_path: Path) -> None:
     assert (after["step"], after["tokens"]) == (30, 30 * 512)
     assert losses(log)[0] < first + 0.3   # it went on from the trained drafter, not from a fresh one (~4.85)
     assert int(after["opt"]["state"][0]["step"]) == 30   # AdamW's state came back too
+
+
+def load_train():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("demo_train", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_grads_are_averaged_over_pairs_and_drafters_stay_equal() -> None:
+    train_mod = load_train()
+    torch.manual_seed(0)
+    base = train_mod.Drafter(8, 16, 2, 12)
+    drafters = [train_mod.copy.deepcopy(base) for _ in range(3)]
+    ref = train_mod.copy.deepcopy(base)
+    xs = [torch.randn(5, 8) for _ in drafters]
+    for d, x in zip(drafters, xs, strict=True):   # each pair sees its own data: different grads
+        d(x).square().mean().backward()
+    want = {n: torch.stack([dict(d.named_parameters())[n].grad for d in drafters]).mean(0)
+            for n, _ in ref.named_parameters()}
+    opt = torch.optim.AdamW(drafters[0].parameters(), lr=1e-2)
+    train_mod.average_and_step(drafters, opt)
+    for n, p in drafters[0].named_parameters():
+        assert torch.allclose(p.grad, want[n], atol=1e-6), n
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)   # one optimizer stepping on the mean grad
+    for n, p in ref.named_parameters():
+        p.grad = want[n].clone()
+    ref_opt.step()
+    for d in drafters:
+        for (n, p), q in zip(d.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), n   # every pair's drafter holds the master's new weights
+    assert not torch.equal(next(ref.parameters()), next(base.parameters()))   # and they did change
+
+
+def test_pair_devices_on_cpu() -> None:
+    train_mod = load_train()
+    cpu = torch.device("cpu")
+    assert train_mod.pair_devices(2, "cpu") == [(cpu, cpu), (cpu, cpu)]
 
 
 def test_pairs_with_replicas_is_a_usage_error(src: Path, tmp_path: Path) -> None:

@@ -175,6 +175,24 @@ def pair_devices(n_pairs: int, device: str) -> list[tuple[torch.device, torch.de
             for i in range(n_pairs)]
 
 
+def sync_drafters(drafters: list[nn.Module]) -> None:
+    """Copy the first (master) drafter's weights into the others."""
+    with torch.no_grad():
+        for d in drafters[1:]:
+            for p, q in zip(d.parameters(), drafters[0].parameters(), strict=True):
+                p.copy_(q)
+
+
+def average_and_step(drafters: list[nn.Module], opt: torch.optim.Optimizer) -> None:
+    """The master drafter's grads become the mean over pairs of each parameter's grad (on the master's
+    device); the master's optimizer steps; the other drafters get the master's new weights."""
+    if len(drafters) > 1:
+        for ps in zip(*(d.parameters() for d in drafters), strict=True):
+            ps[0].grad = torch.stack([p.grad.to(ps[0].device) for p in ps]).mean(0)
+    opt.step()
+    sync_drafters(drafters)
+
+
 def train_pairs(a: argparse.Namespace) -> int:
     """--dp-pairs N: per pair its own target and drafter copy, one thread per pair, drafter grads averaged."""
     torch.manual_seed(a.seed)
@@ -198,13 +216,7 @@ def train_pairs(a: argparse.Namespace) -> int:
         step, total = ck["step"], ck.get("tokens", 0)
         print(f"resumed from {ckpt_path} at step {step}", flush=True)
 
-    def sync_drafters() -> None:
-        with torch.no_grad():
-            for d in drafters[1:]:
-                for p, q in zip(d.parameters(), master.parameters(), strict=True):
-                    p.copy_(q)
-
-    sync_drafters()
+    sync_drafters(drafters)
     per_step = a.batch_size * n * a.seq_len
     print(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
           f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); pairs: "
@@ -254,11 +266,7 @@ def train_pairs(a: argparse.Namespace) -> int:
         for d in drafters:
             d.zero_grad(set_to_none=True)
         losses = list(pool.map(lambda w: pair_step(*w), work))
-        if n > 1:   # the mean over pairs of each parameter's gradient, on the master drafter
-            for ps in zip(*(d.parameters() for d in drafters), strict=True):
-                ps[0].grad = torch.stack([p.grad.to(mdev) for p in ps]).mean(0)
-        opt.step()
-        sync_drafters()
+        average_and_step(drafters, opt)
         loss = torch.stack(losses).mean()
         step += 1
         seen += x.numel()
