@@ -247,8 +247,8 @@ def op_push(req, stream):
         lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
         fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
         files = _load_manifest(d.meta_fd)[0]
-        for f in req.get("files", []):
-            check_rel(f["path"])
+        for rel in [f["path"] for f in req.get("files", [])] + list(req.get("delete", [])):
+            check_rel(rel)
         deleted, kept = _delete(tree, files, req.get("delete", []))
         tmp_fd = _open_child(d.meta_fd, TMP_DIR, os.path.join(d.real, ".dfo"), FIELD, 0o700, True, "the manifest")
         try:

@@ -41,7 +41,8 @@ class PullEnv:
         self.job = tmp / "job.yaml"
         self.job.write_text(yaml.safe_dump({"name": f"p-{secrets.token_hex(3)}", "venv": "/usr", "code": {"source": "src"},
                                             "run": {"workdir": self.workdir, "command": "python3 writer.py", "wait": 0}}))
-        r = dfo(self.inv, "launch", "-H", self.node.name, "-j", str(self.job), "--json")
+        r = dfo(self.inv, "launch", "-H", self.node.name, "-j", str(self.job), "--json",
+                env={"XDG_CACHE_HOME": str(tmp / "cache")})
         assert r.returncode == 0, r.stderr
         self.run = json.loads(r.stdout)["hosts"][self.node.name]["run"]
         deadline = time.monotonic() + 30
