@@ -10,8 +10,9 @@ If-Match (no 412 for a stale ETag), has no partNumber, and sends the whole objec
 a ranged GET (so its clients turn botocore's response checksum validation down to "when_required");
 tests of such details check `endpoint.server`.
 
-FaultProxy, at the end, stands in front of either and misbehaves on purpose (a server that ignores
-Range, one that sends the wrong range, an error with a binary body).
+FaultProxy (orchestrator/testbed_proxy.py, re-exported here) stands in front of either and misbehaves
+on purpose (a server that ignores Range, one that sends the wrong range, an error with a binary body,
+throttling with 503/429/SlowDown, connections reset).
 
 The server listens only on the address it is given (the testbed bridge or 127.0.0.1) plus,
 for weed's internal gRPC hops, 127.0.0.1; all ports are chosen free at start. Credentials
@@ -243,159 +244,8 @@ class S3Server:
         self._ports = []
 
 
-# ------------------------------------------------------------------------------------------
-# A fault proxy: an S3 server that misbehaves the way RFC 7233 (or a broken server) allows.
+# The fault proxy (an S3 server that misbehaves on purpose) lives in orchestrator/testbed_proxy.py;
+# it imports S3Endpoint from here only when used, so this import at the end is not circular.
+from orchestrator.testbed_proxy import PROXY_MODES, FaultProxy  # noqa: E402
 
-PROXY_MODES = ("ignore-range", "shift-range", "binary-403")
-
-
-class FaultProxy:
-    """A real HTTP server in front of an S3 endpoint, forwarding every request unchanged (the client's
-    SigV4 signature covers the Host header, which is the proxy's, so the upstream server accepts it),
-    except, by ``mode``:
-
-    * ``ignore-range``: a GET with a Range header is answered 200 with the whole object and no
-      Content-Range, as a server that ignores Range may (RFC 7233 3.1). The Range header is signed,
-      so the proxy cannot just drop it: it signs a fresh GET without it (same path, If-Match kept)
-      with the endpoint's credentials.
-    * ``shift-range``: a ranged GET is answered 206 with as many bytes from the object's start, and
-      a Content-Range saying so (the wrong bytes for any part but the first).
-    * ``binary-403``: a GET of an object (not a listing) is answered 403 with 4 KiB of binary bytes,
-      application/octet-stream.
-
-    It listens only on ``address``, which must be a loopback or private address, port chosen free.
-    ``log`` holds (method, path, had a Range header, status) for every request answered.
-    """
-
-    def __init__(self, upstream: S3Endpoint, address: str, mode: str) -> None:
-        import ipaddress
-
-        if mode not in PROXY_MODES:
-            raise ValueError(f"proxy mode {mode!r}: expected one of {', '.join(PROXY_MODES)}")
-        ip = ipaddress.ip_address(address)
-        if not (ip.is_loopback or ip.is_private):
-            raise ValueError(f"the fault proxy listens only on a loopback or private address, not {address}")
-        self.upstream, self.address, self.mode = upstream, address, mode
-        self.log: list[tuple[str, str, bool, int]] = []
-        self._server: Any = None
-        self._thread: Any = None
-
-    @property
-    def endpoint(self) -> S3Endpoint:
-        assert self._server is not None, "start() first"
-        port = self._server.server_address[1]
-        up = self.upstream
-        return S3Endpoint(url=f"http://{self.address}:{port}", access_key=up.access_key, secret_key=up.secret_key,
-                          region=up.region, server=f"{up.server}+{self.mode}")
-
-    def start(self) -> S3Endpoint:
-        import threading
-        from http.server import ThreadingHTTPServer
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up: expected
-                    super().handle_error(request, client_address)
-
-        self._server = Server((self.address, 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, name="dfo-s3-proxy", daemon=True)
-        self._thread.start()
-        return self.endpoint
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def _handler(self) -> Any:
-        import http.client
-        from http.server import BaseHTTPRequestHandler
-        from urllib.parse import parse_qsl, urlsplit
-
-        from remote.s3sig import sign
-
-        proxy = self
-        up = urlsplit(self.upstream.url)
-        creds = {"access_key": self.upstream.access_key, "secret_key": self.upstream.secret_key}
-        drop = {"connection", "keep-alive", "transfer-encoding", "content-length"}
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
-                pass
-
-            def _upstream(self, headers: dict[str, str], body: bytes | None) -> tuple[int, list[tuple[str, str]], bytes]:
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    return resp.status, resp.getheaders(), resp.read()
-                finally:
-                    conn.close()
-
-            def _send(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-                proxy.log.append((self.command, self.path.partition("?")[0], "range" in self.headers, status))
-                self.send_response(status)
-                for k, v in headers:
-                    if k.lower() not in drop:
-                        self.send_header(k, v)
-                if self.command == "HEAD":
-                    length = next((v for k, v in headers if k.lower() == "content-length"), "0")
-                    self.send_header("Content-Length", length)
-                else:
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            def _handle(self) -> None:
-                n = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(n) if n else None
-                headers = {k: v for k, v in self.headers.items()}
-                path, _, query = self.path.partition("?")
-                is_object = self.command == "GET" and path.count("/") >= 2 and path.split("/", 2)[2] != ""
-                rng = self.headers.get("range")
-                if proxy.mode == "binary-403" and is_object:
-                    self._send(403, [("Content-Type", "application/octet-stream")], bytes(range(256)) * 16)
-                    return
-                if rng and self.command == "GET":
-                    if proxy.mode == "ignore-range":
-                        plain = {k.lower(): v for k, v in headers.items()
-                                 if k.lower() not in ("authorization", "x-amz-date", "x-amz-content-sha256", "range")}
-                        plain["host"] = up.netloc
-                        q = parse_qsl(query, keep_blank_values=True)
-                        sign("GET", path, q, plain, creds, proxy.upstream.region)
-                        status, hdrs, data = self._upstream(plain, None)
-                        self._send(status, [(k, v) for k, v in hdrs if k.lower() != "content-range"], data)
-                        return
-                    if proxy.mode == "shift-range":
-                        status, hdrs, data = self._upstream(headers, body)
-                        cr = dict((k.lower(), v) for k, v in hdrs).get("content-range", "")
-                        if status == 206 and cr.startswith("bytes "):
-                            total = cr.rsplit("/", 1)[1]
-                            hdrs = [(k, v) for k, v in hdrs if k.lower() != "content-range"]
-                            hdrs.append(("Content-Range", f"bytes 0-{len(data) - 1}/{total}"))
-                            whole = self._whole(path, headers)
-                            data = whole[:len(data)]
-                        self._send(status, hdrs, data)
-                        return
-                status, hdrs, data = self._upstream(headers, body)
-                self._send(status, hdrs, data)
-
-            def _whole(self, path: str, headers: dict[str, str]) -> bytes:
-                plain = {"host": up.netloc}
-                sign("GET", path, [], plain, creds, proxy.upstream.region)
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                try:
-                    conn.request("GET", path, headers=plain)
-                    return conn.getresponse().read()
-                finally:
-                    conn.close()
-
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
-
-        return Handler
+__all__ = ["SERVERS", "PROXY_MODES", "FaultProxy", "S3Endpoint", "S3Server", "find_binary", "drop_expect_header"]

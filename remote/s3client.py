@@ -4,10 +4,9 @@
 * requests signed with SigV4 (``remote.s3sig``), or unsigned when there are no credentials;
 * ListObjectsV2, paginated, parsed with ElementTree; HEAD; GET of a whole object or a byte range
   streamed with ``readinto`` into a reused buffer and written with ``os.pwrite`` at its offset;
-* errors become ``S3Error`` with a kind ("verify": S3 answered no; "unreachable": no answer) and a
-  message naming the object and the endpoint, and say whether a retry may help. A response body is
-  quoted only when it is short printable text (an S3 XML error's Code and Message); anything else is
-  described by its status, content type and length, and never read past ``ERR_READ_MAX``;
+* errors become ``S3Error`` (``remote.s3errors``: kind, message naming the object and the endpoint,
+  whether a retry may help, the server's Retry-After); a keep-alive connection found closed is reopened
+  once at once, every other retry is the caller's, through ``remote.retry`` (listing pages here);
 * a ranged GET is accepted as 206, or as 200 when its Content-Range is the range asked for (rclone's
   S3 server answers so); a Content-Range for other bytes is refused (they would land at the wrong
   offset); a 200 with the whole object (a server may ignore Range, RFC 7233) raises ``RangeIgnored``
@@ -20,41 +19,26 @@ from __future__ import annotations
 
 import http.client
 import os
-import re
 import socket
 import threading
-import time
 import xml.etree.ElementTree as ET
 from urllib.parse import urlsplit
 
+from remote.retry import Stopped, parse_retry_after, retry
+from remote.s3errors import (  # S3Error, RangeIgnored, parse_content_range are imported from here too
+    ERR_READ_MAX,
+    RETRYABLE_STATUS,
+    RangeIgnored,
+    S3Error,
+    as_int,
+    error_fields,
+    parse_content_range,
+    short_text,
+    strip_ns,
+)
 from remote.s3sig import sign, uri_encode
 
 BUF_SIZE = 1 << 20
-ERR_READ_MAX = 64 << 10  # an error body bigger than this is not read (the connection is dropped instead)
-ERR_TEXT_MAX = 300  # a non-XML error body is quoted only when it is printable text this short
-LIST_RETRIES = 3
-RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
-
-
-class S3Error(Exception):
-    def __init__(self, kind, message, status=None, code=None, retryable=False, hint=None):
-        Exception.__init__(self, message)
-        self.kind = kind
-        self.message = message
-        self.status = status
-        self.code = code
-        self.retryable = retryable
-        self.hint = hint
-
-
-class Stopped(Exception):
-    """The transfer was asked to stop (another worker failed, or a signal)."""
-
-
-class RangeIgnored(Exception):
-    """A ranged GET was answered 200 with no Content-Range: the server sent the whole object."""
-
-
 def split_s3_url(url):
     """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix")."""
     if not url.startswith("s3://"):
@@ -66,66 +50,9 @@ def split_s3_url(url):
     return bucket, prefix
 
 
-def _strip_ns(tag):
-    return tag.rsplit("}", 1)[-1]
-
-
-def _int(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _text(raw, limit=ERR_TEXT_MAX):
-    """``raw`` (bytes or str) as one line of printable text of at most ``limit`` characters, or None."""
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    text = " ".join(raw.split())
-    if not text or not text.isprintable():
-        return None
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _error_fields(body, ctype, length, complete):
-    """(Code, Message, Region) from an error response: an S3 XML error's fields when it has them
-    (printable, short); else the body when it is short text; else a description of it, never its bytes."""
-    if complete and body.lstrip()[:1] == b"<":
-        try:
-            root = ET.fromstring(body)
-        except ET.ParseError:
-            root = None
-        if root is not None:
-            fields = {}
-            for child in root:
-                fields[_strip_ns(child.tag)] = _text(child.text or "")
-            code = fields.get("Code")
-            if code is not None and not re.match(r"^[A-Za-z0-9.]{1,64}$", code):
-                code = None
-            if code or fields.get("Message"):
-                return code, fields.get("Message"), fields.get("Region")
-    ctype = (ctype or "").split(";")[0].strip().lower()
-    textual = not ctype or ctype.startswith("text/") or ctype in ("application/xml", "application/json")
-    if not body and complete:
-        return None, None, None
-    if complete and textual and len(body) <= ERR_TEXT_MAX:
-        text = _text(body)
-        if text is not None:
-            return None, text, None
-    return None, "body not shown (%s, %s%d bytes)" % (
-        _text(ctype, 60) or "no content type", "" if complete or length is not None else "at least ",
-        length or len(body)), None
-
-
-def parse_content_range(value):
-    """``bytes START-END/TOTAL`` (TOTAL may be ``*``) -> (start, end, total or None), else None."""
-    m = re.match(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", value or "")
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), None if m.group(3) == "*" else int(m.group(3))
+def _lost(exc):
+    """A request that found its keep-alive connection closed by the server (worth one quiet reopen)."""
+    return isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
 
 
 class S3Client:
@@ -198,21 +125,23 @@ class S3Client:
         url = path
         if query:
             url += "?" + "&".join("%s=%s" % (uri_encode(k, False), uri_encode(v, False)) for k, v in query)
-        for attempt in (0, 1):
+
+        def send():
             conn = self._conn(netloc)
             try:
                 conn.request(method, url, headers=hdrs)
                 return conn.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                # a keep-alive connection the server closed while idle: reopen once, quietly
+            except BaseException:
                 self._drop(netloc)
-                if attempt:
-                    raise S3Error("unreachable", "%s: connection lost: %s" % (self.where(bucket, label or key), exc),
-                                  retryable=True) from None
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop(netloc)
-                raise self._net_error(exc, bucket, label or key) from None
-        raise AssertionError("unreachable code")
+                raise
+
+        try:  # a keep-alive connection the server closed while idle: reopen once, at once and quietly
+            return retry(send, attempts=2, base=0.0, cap=0.0, retry_on=_lost)
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+            raise S3Error("unreachable", "%s: connection lost: %s" % (self.where(bucket, label or key), exc),
+                          retryable=True) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._net_error(exc, bucket, label or key) from None
 
     def _net_error(self, exc, bucket, key):
         if isinstance(exc, socket.gaierror):
@@ -229,12 +158,12 @@ class S3Client:
                        hint="check s3.endpoint_url in the job file and that the node can reach it")
 
     def _http_error(self, resp, bucket, key, method):
-        length = _int(resp.getheader("content-length"))
+        length = as_int(resp.getheader("content-length"))
         body = b""
         if method != "HEAD" and (length is None or length <= ERR_READ_MAX):
             body = resp.read(ERR_READ_MAX + 1)
         complete = method == "HEAD" or resp.isclosed()
-        code, message, region = _error_fields(body, resp.getheader("content-type"), length, complete)
+        code, message, region = error_fields(body, resp.getheader("content-type"), length, complete)
         status = resp.status
         if code is None:
             code = {403: "AccessDenied", 404: "NotFound", 301: "PermanentRedirect"}.get(status, "HTTP%d" % status)
@@ -252,8 +181,11 @@ class S3Client:
             hint = "the object changed on S3 while dfo read it; run the command again"
         elif status == 416:
             hint = "the object shrank on S3 while dfo read it; run the command again"
+        elif status in (429, 503) or code in ("SlowDown", "RequestLimitExceeded", "TooManyRequests"):
+            hint = "the S3 server asks for fewer requests; lower s3.concurrency in the job file, or try again later"
         text = "%s: %s (HTTP %d)%s" % (self.where(bucket, key), code, status, ": " + message if message else "")
-        return S3Error("verify", text, status=status, code=code, retryable=status in RETRYABLE_STATUS, hint=hint)
+        return S3Error("verify", text, status=status, code=code, retryable=status in RETRYABLE_STATUS, hint=hint,
+                       retry_after=parse_retry_after(resp.getheader("retry-after")))
 
     def check(self, resp, bucket, key, method, ok=(200,)):
         if resp.status not in ok:
@@ -272,7 +204,7 @@ class S3Client:
         if value is None and resp.status == 206:
             return  # no Content-Range to compare: Content-Length and the object's checksum still are
         if value is None:
-            got = _int(resp.getheader("content-length"))
+            got = as_int(resp.getheader("content-length"))
             if start == 0 and got == length and size in (None, length):
                 return  # the range asked for was the whole object
             raise RangeIgnored("%s: the server ignored Range (HTTP 200, %s bytes, no Content-Range)"
@@ -285,39 +217,42 @@ class S3Client:
                           "read?)" % (self.where(bucket, key), rng[2], size), retryable=True)
         raise S3Error("verify", "%s: asked for bytes=%d-%d, the server sent Content-Range %s (HTTP %d); "
                       "those bytes were not written" % (self.where(bucket, key), start, start + length - 1,
-                                                         _text(value, 80) or "(unreadable)", resp.status),
+                                                         short_text(value, 80) or "(unreadable)", resp.status),
                       hint="this S3 server answers ranged GETs wrongly; set s3.multipart_threshold_mb above "
                       "the largest object so that each is fetched in one GET")
 
     # ------------------------------------------------------------------ operations
-    def list_objects(self, bucket, prefix):
-        """Yield dicts {key, size, etag, checksum_algorithm} under ``prefix``, every page."""
+    def list_objects(self, bucket, prefix, stop=None):
+        """Yield dicts {key, size, etag, checksum_algorithm} under ``prefix``, every page (each page
+        asked again after a retryable failure, ``remote.retry``)."""
         token = None
         while True:
             query = [("list-type", "2"), ("prefix", prefix), ("max-keys", "1000")]
             if token:
                 query.append(("continuation-token", token))
-            for attempt in range(LIST_RETRIES):
+
+            def page(query=query):
                 try:
                     resp = self.check(self.request("GET", bucket, "", query, label=prefix), bucket, prefix, "GET")
-                    body = resp.read()
-                    break
-                except (S3Error, OSError, http.client.HTTPException) as exc:
+                    return resp.read()
+                except (OSError, http.client.HTTPException) as exc:
                     self._drop(self._target(bucket, "")[0])
-                    err = exc if isinstance(exc, S3Error) else S3Error(
-                        "unreachable", "%s: listing broke: %s" % (self.where(bucket, prefix), exc), retryable=True)
-                    if not err.retryable or attempt == LIST_RETRIES - 1:
-                        raise err from None
-                    time.sleep(0.25 * 2 ** attempt)
+                    raise S3Error("unreachable", "%s: listing broke: %s" % (self.where(bucket, prefix), exc),
+                                  retryable=True) from None
+                except S3Error:
+                    self._drop(self._target(bucket, "")[0])
+                    raise
+
+            body = retry(page, stop=stop)
             try:
                 root = ET.fromstring(body)
             except ET.ParseError as exc:
                 raise S3Error("verify", "%s: unreadable listing (%s)" % (self.where(bucket, prefix), exc)) from None
             token, truncated = None, False
             for child in root:
-                tag = _strip_ns(child.tag)
+                tag = strip_ns(child.tag)
                 if tag == "Contents":
-                    item = {_strip_ns(c.tag): (c.text or "") for c in child}
+                    item = {strip_ns(c.tag): (c.text or "") for c in child}
                     yield {"key": item.get("Key", ""), "size": int(item.get("Size") or 0),
                            "etag": item.get("ETag", "").strip('"'),
                            "checksum_algorithm": item.get("ChecksumAlgorithm") or None}

@@ -5,6 +5,9 @@ size and content checked (``remote.s3verify``), then renamed to its final name (
 without following symlinks, ``remote.s3dest.Tree``) and recorded in the manifest's journal, with
 the inode, ctime and owner it has there, at once; a reader never sees a half-written file under its final name and
 an interrupted run never loses a finished object. One worker thread = one keep-alive connection.
+A retryable failure (HTTP 408/429/5xx such as SlowDown, a connection reset or cut short) is asked
+again through ``remote.retry`` (5 attempts, full-jitter backoff, Retry-After honoured, a stop ends the
+wait); the error that ends a run says how many attempts it took.
 """
 from __future__ import annotations
 
@@ -17,10 +20,10 @@ import threading
 from remote import s3verify
 from remote._proto import RemoteError
 from remote.fsutil import human_bytes as human  # the one byte-size formatter (s3sync imports it here)
+from remote.retry import retry
 from remote.s3client import RangeIgnored, S3Error, Stopped
 from remote.s3dest import identity
 
-RETRIES = 5
 READ_CHUNK = 4 << 20
 TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -165,12 +168,13 @@ class Engine:
     def _fetch_whole(self, obj, verify_as=None):
         """One GET of the whole object. ``verify_as() -> (verifier, hasher)`` replaces the verifier chosen
         from the response headers (a ranged object fetched whole: the check its HEAD chose)."""
-        for attempt in range(RETRIES):
+
+        def once():  # a fresh temp file and a fresh count for every attempt
             fd = os.open(obj.tmp, TMP_FLAGS, 0o644, dir_fd=self.manifest.tmp_fd)
             counted = [0]
             chosen = []
 
-            def on_headers(headers, chosen=chosen):
+            def on_headers(headers):
                 if verify_as is not None:
                     v, hasher = verify_as()
                     chosen.append(v)
@@ -179,27 +183,22 @@ class Engine:
                 chosen.append(v)
                 return v
 
-            def prog(n, counted=counted):
+            def prog(n):
                 counted[0] += n
                 self.progress.add(n)
 
             try:
                 self.client.get_into(self.bucket, obj.key, fd, 0, obj.size, False, on_headers, prog, self.stop,
                                      if_match=obj.etag, checksums=not s3verify.PLAIN_ETAG.match(obj.etag))
-            except S3Error as exc:
-                os.close(fd)
-                self.progress.add(-counted[0])
-                if exc.retryable and attempt < RETRIES - 1:
-                    self._backoff(attempt)
-                    continue
-                raise
             except BaseException:
                 os.close(fd)
                 self.progress.add(-counted[0])
                 raise
-            obj.got = obj.size
-            self._finalize(obj, fd, chosen[-1] if chosen else None)
-            return
+            return fd, chosen[-1] if chosen else None
+
+        fd, verifier = self._retry(once)
+        obj.got = obj.size
+        self._finalize(obj, fd, verifier)
 
     # ------------------------------------------------------------------ ranged parts
     def _prepare(self, obj):
@@ -276,23 +275,18 @@ class Engine:
                 counted[0] += n
                 self.progress.add(n)
 
-            for attempt in range(RETRIES):
+            def once():
                 seg = parts.segment(start, length) if parts is not None else None
                 try:
                     self.client.get_into(self.bucket, obj.key, obj.fd, start, length, True,
-                                         (lambda _h, seg=seg: seg), prog, self.stop, if_match=obj.etag,
+                                         (lambda _h: seg), prog, self.stop, if_match=obj.etag,
                                          write_lock=obj.wlock, checksums=False, size=obj.size)
-                    break
-                except S3Error as exc:
-                    self.progress.add(-counted[0])
-                    counted[0] = 0
-                    if exc.retryable and attempt < RETRIES - 1:
-                        self._backoff(attempt)
-                        continue
-                    raise
                 except BaseException:
                     self.progress.add(-counted[0])
+                    counted[0] = 0
                     raise
+
+            self._retry(once)
         with obj.lock:
             if obj.whole:  # another part found the server ignoring Range: this object is fetched whole
                 self.progress.add(-counted[0])
@@ -360,25 +354,19 @@ class Engine:
         self.progress.file_done(verifier.kind if verifier is not None else "size")
 
     def _retry(self, fn):
-        for attempt in range(RETRIES):
-            try:
-                return fn()
-            except S3Error as exc:
-                if not exc.retryable or attempt == RETRIES - 1:
-                    raise
-                self._backoff(attempt)
-        raise AssertionError("unreachable code")
+        """``fn()``, again after a retryable S3Error (remote.retry: full jitter, Retry-After, ends on stop)."""
+        return retry(fn, retry_on=_retryable, stop=self.stop)
 
-    def _backoff(self, attempt):
-        if self.stop.wait(min(8.0, 0.25 * (2 ** attempt))):
-            raise Stopped()
+
+def _retryable(exc):
+    return isinstance(exc, S3Error) and exc.retryable
 
 
 def describe_failure(exc, obj, dest, bucket, endpoint):
     """(kind, message, hint) for the first failure of a run."""
     where = "s3://%s/%s" % (bucket, obj.key) if obj is not None else "s3://%s" % bucket
     if isinstance(exc, S3Error):
-        return exc.kind, exc.message, exc.hint
+        return exc.kind, exc.described(), exc.hint
     if isinstance(exc, RemoteError):  # the destination refused a folder (remote.s3dest)
         return exc.kind, exc.message, exc.extra.get("hint")
     if isinstance(exc, VerifyFailed):

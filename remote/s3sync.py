@@ -215,7 +215,7 @@ def list_source(client, bucket, prefix):
                     bucket, key), hint="rename the object, or sync a narrower prefix")
             objs.append(Obj(key, rel, item["size"], item["etag"]))
     except S3Error as exc:
-        raise RemoteError(exc.kind, exc.message, hint=exc.hint) from None
+        raise RemoteError(exc.kind, exc.described(), hint=exc.hint) from None
     return objs
 
 
