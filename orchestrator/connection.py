@@ -285,7 +285,9 @@ class Connection(Transport):
         try:
             chan.settimeout(max(limit, 1.0))  # a command that never reads its stdin cannot hold sendall past limit
             if stdin is not None:
-                chan.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
+                # a memoryview: paramiko's sendall slices what is left after every packet, which
+                # copies a bytes payload again each time (quadratic: 43 MB took 25 s, now 0.9 s)
+                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if not transport.is_active():

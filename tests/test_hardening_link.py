@@ -5,6 +5,7 @@ All against real testbed nodes (real sshd); the link is cut with the testbed's l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import subprocess
@@ -318,5 +319,19 @@ def test_a_command_that_exits_without_reading_its_stdin_is_no_lost_connection(te
         r = conn.run("echo early; exit 3", stdin=b"x" * (16 << 20))
         assert (r.exit_code, r.stdout) == (3, "early\n")
         assert conn.run("cat | wc -c", stdin=b"y" * 1000).stdout.strip() == "1000"  # the connection is fine
+    finally:
+        conn.close()
+
+
+@on_testbed
+def test_a_big_stdin_arrives_whole(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """32 MiB through stdin arrive byte for byte (stdin is sent as a memoryview: paramiko's sendall
+    re-slices what is left after every packet, which copied a bytes payload each time)."""
+    conn = _conn(inventory_copy(testbed, tmp_path), testbed.nodes[0].name)
+    try:
+        data = bytes(range(256)) * (32 * 4096)
+        r = conn.run("sha256sum | cut -c1-64", stdin=data, timeout=120)
+        assert r.exit_code == 0 and r.stdout.strip() == hashlib.sha256(data).hexdigest()
+        print(f"32 MiB on stdin: {r.seconds:.1f}s")
     finally:
         conn.close()
