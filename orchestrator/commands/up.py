@@ -33,7 +33,8 @@ from ..steps.runs import job_workspace, status
 from .data import render_transfer, run_transfer
 from .preflight import check_job
 from .provision import provision_json, render_provision, run_provision
-from .runs import Launched, detached_launch, follow_hosts, launcher
+from .runs import Launched, detached_launch, launcher
+from .runs_follow import follow_hosts
 from .runs_view import RECAP_LINES
 
 
