@@ -216,3 +216,24 @@ def test_up_json_of_a_failing_run_and_a_stopped_chain(upx: Xfer) -> None:
     assert h["provision"]["ok"] is True and h["stage_model"]["ok"] is False
     assert h["stage_model"]["error"]["kind"] == "verify"
     assert h["sync_data"] is None and h["launch"] is None and h["run"] is None
+
+
+@pytest.mark.testbed
+def test_up_on_two_hosts_opens_one_connection_each(testbed2: Testbed, tmp_path: Path) -> None:
+    from tests._runs_fixtures import dfo, inventory_copy
+
+    inv = inventory_copy(testbed2, tmp_path)
+    (tmp_path / "counter.py").write_text(COUNTER)
+    ws = f"/workspace/up2-{tmp_path.name[-8:]}"
+    job = tmp_path / "two.yaml"
+    job.write_text(yaml.safe_dump({"name": "two", "venv": f"{ws}/venv", "workspace": ws, "run": {
+        "workdir": f"{ws}/w", "upload": ["counter.py"], "wait": 0, "command": "{python} counter.py 2 0.05"}}))
+    names = [n.name for n in testbed2.nodes]
+    before = {n: _accepted(testbed2, n) for n in names}
+    r = dfo(inv, "up", "-H", "testbed", "-j", str(job), timeout=300)
+    assert {n: _accepted(testbed2, n) - before[n] for n in names} == {n: 1 for n in names}, r.stderr
+    assert r.returncode == 0, r.stderr
+    for n in names:  # several hosts: each log line with its host
+        assert f"{n} | line 000001" in r.stdout and f"{n}: provisioned" in r.stdout
+    for n in testbed2.nodes:
+        testbed2.node_exec(n, f"rm -rf {ws}")
