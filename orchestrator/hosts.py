@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 from collections.abc import Callable
@@ -32,13 +31,21 @@ class Outcome(Generic[T]):
         return int(code or 0)
 
 
-_RESOLVER_ERRNO = re.compile(r"\[Errno -\d+\]")  # getaddrinfo's EAI_* codes are negative
+def _resolver_failed(exc: BaseException) -> bool:
+    """Whether a socket.gaierror (the resolver's own error) lies under ``exc``, however it was wrapped."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, socket.gaierror):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _unresolved(exc: HostError) -> HostError:
     """A host name that does not resolve (the resolver's error under the HostError) gets a hint."""
-    resolver = isinstance(exc.__context__, socket.gaierror) or _RESOLVER_ERRNO.search(exc.message)
-    if resolver and exc.hint is None and "does not resolve" not in exc.message:
+    if exc.hint is None and _resolver_failed(exc):
         exc.message += " (the host name does not resolve)"
         exc.hint = ("check the host name (inventory host:, or HostName in ~/.ssh/config for an alias), "
                     "and that DNS answers for it here")

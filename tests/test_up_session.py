@@ -87,6 +87,36 @@ def test_transfer_tells_errors_apart_by_class_not_by_words(tmp_path: Path) -> No
 
 
 
+
+def test_an_unresolved_name_is_found_under_any_wrapping_not_by_its_words(tmp_path: Path) -> None:
+    import socket
+
+    from orchestrator.config import Inventory, load_inventory
+    from orchestrator.hosts import HostSession
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("hosts:\n  me: {transport: local}\n")
+    s = HostSession.from_inventory(*load_inventory(inv), ["me"])
+    assert isinstance(s.inventory, Inventory)
+
+    def wrapped(_conn: Any) -> None:  # the resolver's error two levels down, its words gone
+        try:
+            try:
+                raise socket.gaierror(-2, "Name or service not known")
+            except socket.gaierror as exc:
+                raise OSError("could not open the gateway") from exc
+        except OSError:
+            raise HostError("cannot connect to gpu-1", host="me") from None
+
+    def words(_conn: Any) -> None:  # words that look like the resolver's, no resolver error
+        raise HostError("cannot connect to gpu-1: [Errno -2] quoted from a remote log", host="me")
+
+    err = s.each(wrapped)[0].error
+    assert err is not None and "does not resolve" in err.message and "DNS" in (err.hint or "")
+    err = s.each(words)[0].error
+    assert err is not None and "does not resolve" not in err.message and err.hint is None
+
+
 # ------------------------------------------------------------------------- job rules in the models: FILE:LINE
 
 _JOB_ERRORS = [  # (the job's text, the line at fault, the field, words of the message)
