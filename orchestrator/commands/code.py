@@ -13,26 +13,15 @@ from ..cli_common import console, emit, err_console, hosts_option, job_option, j
 from ..config import load_job
 from ..connection import Connection
 from ..steps.code import CodeReport, push_code, resolve
+from .report_view import print_moved, print_names
 
 _OUT = threading.Lock()
 
 
 def render(host: str, r: CodeReport, command: str = "sync-code") -> None:
     with _OUT:
-        if r.status == "no change":
-            console.print(f"{safe(host)}: {command}: [dim]no change[/]: {r.files_total} files "
-                          f"({human_bytes(r.bytes_total)}) in {safe(r.dest)} match {safe(r.source)} "
-                          f"({r.seconds:.2f}s)", soft_wrap=True)
-        else:
-            console.print(f"{safe(host)}: {command}: [green]done[/]: {safe(r.source)} -> {safe(r.dest)}",
-                          soft_wrap=True)
-            console.print(f"  sent {r.fetched} files ({human_bytes(r.bytes)}), skipped {r.skipped}, "
-                          f"deleted {r.deleted}, in {r.seconds:.1f}s", soft_wrap=True)
-        if r.kept:
-            more = f" and {r.kept - len(r.kept_files)} more" if r.kept > len(r.kept_files) else ""
-            console.print(f"  {r.kept} file{'s' if r.kept != 1 else ''} gone here but changed on the node since "
-                          f"dfo pushed {'them' if r.kept != 1 else 'it'}, not deleted: "
-                          f"{safe(', '.join(r.kept_files))}{more}", soft_wrap=True)
+        print_moved(host, command, r, verb="sent")
+        print_names(r.kept, r.kept_files, "gone here but changed on the node since dfo pushed {them}, not deleted")
 
 
 def warn_for(host: str) -> Any:

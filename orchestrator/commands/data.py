@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
+from ..cli_common import console, emit, hosts_option, job_option, json_option, session
 from ..config import LoadedJob, load_job
 from ..connection import Connection
-from ..steps.transfer import ProgressView, TransferReport, What, build_request, human_bytes, transfer
+from ..steps.transfer import ProgressView, TransferReport, What, build_request, transfer
+from .report_view import print_moved, print_names
 
 if TYPE_CHECKING:
     from ..hosts import HostSession, Outcome
@@ -47,22 +48,10 @@ COMMON_HELP = """\
 def _render(host: str, r: TransferReport, command: str) -> None:
     verified = ", ".join(f"{k} {v}" for k, v in sorted(r.verified.items()))
     with _OUT:
-        if r.status == "no change":
-            console.print(f"{safe(host)}: {command}: [dim]no change[/]: {r.files_total} files "
-                          f"({human_bytes(r.bytes_total)}) in {safe(r.dest)} match {safe(r.source)} "
-                          f"({r.seconds:.2f}s)", soft_wrap=True)
-        else:
-            console.print(f"{safe(host)}: {command}: [green]done[/]: {safe(r.source)} -> {safe(r.dest)}",
-                          soft_wrap=True)
-            console.print(f"  fetched {r.fetched} files ({human_bytes(r.bytes)}), skipped {r.skipped}, "
-                          f"deleted {r.deleted}, in {r.seconds:.1f}s = {r.mb_per_s:.1f} MB/s"
-                          + (f"; verified: {verified}" if verified else ""), soft_wrap=True)
+        print_moved(host, command, r, detail=f" = {r.mb_per_s:.1f} MB/s" + (f"; verified: {verified}" if verified else ""))
         # dest safety (docs/data.md): files swapped on the node, files --delete left because they are not dfo's
-        for n, names, what in ((r.changed, r.changed_files, "fetched again"), (r.kept, r.kept_files, "not deleted")):
-            if n:
-                more = f" and {n - len(names)} more" if n > len(names) else ""
-                console.print(f"  {n} file{'s' if n != 1 else ''} changed on the node since dfo wrote "
-                              f"{'them' if n != 1 else 'it'}, {what}: {safe(', '.join(names))}{more}", soft_wrap=True)
+        print_names(r.changed, r.changed_files, "changed on the node since dfo wrote {them}, fetched again")
+        print_names(r.kept, r.kept_files, "changed on the node since dfo wrote {them}, not deleted")
 
 
 def _run(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: bool, what: What, command: str,

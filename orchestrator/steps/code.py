@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from remote.fsutil import human_bytes
 
@@ -34,31 +34,17 @@ from ..config import LoadedJob, RunConfig
 from ..connection import Connection
 from ..errors import ConfigError
 from .codetree import fill_hashes, list_code, manifest_view, warnings
+from .report import MoveReport
 
 MODULE = "remote.codepush"
 PUSH_TIMEOUT_S = 24 * 3600.0
 
 
-class CodeReport(BaseModel):
+class CodeReport(MoveReport):
     """sync-data's report shape (status, counts of files and bytes); ``fetched`` counts the files
     sent (``sent`` in --json too)."""
 
-    host: str = Field(exclude=True)
     what: str = Field(default="code", exclude=True)
-    ok: bool = True
-    status: str  # "done" | "no change"
-    fetched: int
-    skipped: int
-    deleted: int
-    bytes: int
-    seconds: float
-    mb_per_s: float
-    dest: str
-    source: str
-    files_total: int
-    bytes_total: int
-    kept: int = 0  # gone here, but changed on the node since dfo pushed them: left there
-    kept_files: list[str] = []
     warnings: list[str] = []
     in_git: bool = False
 

@@ -23,14 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from remote.fsutil import write_atomic
 
 from ..agent import run_module
 from ..config import LoadedJob
 from ..connection import Connection
 from ..errors import ConfigError, VerifyError
+from .report import MoveReport
 from .runs import job_workspace, status
 
 MODULE = "remote.pullfiles"
@@ -38,24 +37,11 @@ PULL_TIMEOUT_S = 7 * 24 * 3600.0
 MANIFEST = "pull-manifest.json"
 
 
-class PullReport(BaseModel):
+class PullReport(MoveReport):
     """sync-data's report shape: status, counts of files and bytes."""
 
-    host: str = Field(exclude=True)
-    ok: bool = True
-    status: str  # "done" | "no change"
     run: str
-    fetched: int
-    skipped: int
-    deleted: int = 0
-    bytes: int
     resumed: int = 0  # files continued from an earlier, interrupted pull
-    seconds: float
-    mb_per_s: float
-    dest: str
-    source: str
-    files_total: int
-    bytes_total: int
     changed: int = 0  # changed on the node while being pulled: not fetched, pull again
     changed_files: list[str] = []
     links_skipped: int = 0

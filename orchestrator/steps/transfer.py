@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from rich.console import Console
 
 from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
@@ -27,34 +27,20 @@ from ..config import LoadedJob, S3Config
 from ..connection import Connection
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
 from ..jobrules import source_kind
+from .report import MoveReport
 from .runs import job_workspace
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
 What = Literal["data", "model"]
 
 
-class TransferReport(BaseModel):
+class TransferReport(MoveReport):
     """One host's transfer; its serialisation (model_dump) is the --json document for that host."""
 
-    host: str = Field(exclude=True)
     what: str = Field(exclude=True)
-    ok: bool = True
-    status: str  # "done" | "no change"
-    fetched: int
-    skipped: int
-    deleted: int
-    bytes: int
-    seconds: float
-    mb_per_s: float
-    dest: str
-    source: str
-    files_total: int
-    bytes_total: int
     verified: dict[str, int] = {}
     changed: int = 0  # fetched again: changed on the node since dfo wrote them (kept size and mtime or not)
     changed_files: list[str] = []  # the first names, sorted
-    kept: int = 0  # --delete left them: gone from the source, but changed on the node since dfo wrote them
-    kept_files: list[str] = []
 
 
 # --------------------------------------------------------------------------- the job
