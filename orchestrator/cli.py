@@ -69,7 +69,8 @@ class DfoGroup(click.Group):
         rows = []
         for n in names:
             if n in COMMANDS:  # from the table: no import
-                rows.append((n, click.utils.make_default_short_help(COMMANDS[n][2], limit)))
+                text = COMMANDS[n][2]
+                rows.append((n, text if len(text) <= limit else text[: max(limit - 3, 1)].rstrip() + "..."))
             elif (cmd := self.get_command(ctx, n)) is not None and not cmd.hidden:
                 rows.append((n, cmd.get_short_help_str(limit)))
         with formatter.section("Commands"):
