@@ -272,3 +272,14 @@ def test_lazy_console_drives_a_progress_bar_and_plain_output() -> None:
     with plain:
         plain.print("x" * 300 + "   ")
     assert pipe.getvalue() == "x" * 300 + "\n"  # not a terminal: neither wrapped nor padded
+
+
+@pytest.mark.parametrize("module", ["orchestrator.cli_common", "orchestrator.hosts"])
+def test_shared_cli_pieces_import_nothing_heavy(module: str) -> None:
+    """The option decorators and HostSession load config/connection only when a session opens, so a
+    command module that needs only them keeps its --help and usage errors light."""
+    probe = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2:]))))")
+    r = subprocess.run([sys.executable, "-c", probe, module, *sorted(HEAVY)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [], (module, r.stdout)
