@@ -49,6 +49,7 @@ class HostEntry(Strict):
     workspace: str | None = None
     proxy_jump: str | None = None
     transport: Literal["ssh", "local"] = "ssh"
+    private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
 
 
 class Inventory(Strict):
@@ -82,6 +83,12 @@ class ResolvedHost(BaseModel):
     connect_timeout: float = 10.0
     command_timeout: float = 600.0
     gpus: int | None = None
+    private_address: str | None = None  # the inventory's hosts.NAME.private_address, else None
+
+    @property
+    def gang_address(self) -> str:
+        """How the other nodes of a gang reach this one: private_address, else the SSH host name."""
+        return self.private_address or self.hostname
 
     @property
     def known_hosts_name(self) -> str:
@@ -209,6 +216,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         connect_timeout=d.connect_timeout,
         command_timeout=d.command_timeout,
         gpus=entry.gpus,
+        private_address=entry.private_address,
     )
 
 
@@ -296,6 +304,19 @@ class CodeConfig(Strict):
     exclude: list[str] = []  # more gitignore-style patterns
 
 
+class OutputsConfig(Strict):
+    """outputs: what the run writes that must outlive the node (docs/outputs.md). {name} and
+    {run_id} are expanded in path and dest; an object's key is dest + the path relative to path."""
+
+    path: Annotated[str, AfterValidator(jobrules.outputs_path)] = "/workspace/checkpoints/{name}"
+    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None  # s3://bucket/prefix/; none: nothing ships
+    every: float = Field(default=300.0, gt=0)  # seconds between passes; one last pass after the run ends
+    settle: float = Field(default=10.0, ge=0)  # a file ships once unchanged this long
+    include: list[str] = ["**"]  # gitignore-style patterns
+    restore: bool = True  # before launch, fetch dest into path when path is empty or missing
+    cpu: float = Field(default=2.0, gt=0)  # the shipper's CPU budget, in cores
+
+
 class RunConfig(Strict):
     workdir: str = "/root"
     upload: list[str] = []
@@ -327,6 +348,10 @@ class RunConfig(Strict):
     wait: float = Field(default=60.0, ge=0)
     autotune_guard: bool = False
     stop_grace: float = Field(default=30.0, ge=0)
+    nodes: int = Field(default=1, ge=1, le=1024)  # a gang over this many hosts; -H names exactly that many
+    launcher: Literal["none", "torchrun"] = "none"  # torchrun: run.command is what torchrun runs
+    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"  # auto: the node's GPU count (1 without)
+    rdzv_port: int = Field(default=29400, ge=1, le=65535)
 
 
 class Job(Strict):
@@ -342,6 +367,7 @@ class Job(Strict):
     model: ModelConfig | None = None
     data: DataConfig | None = None
     code: CodeConfig | None = None
+    outputs: OutputsConfig | None = None
     run: RunConfig | None = None
 
     @field_validator("name")

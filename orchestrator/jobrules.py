@@ -108,6 +108,34 @@ def node_path(dest: str) -> str:
     return dest
 
 
+# --------------------------------------------------------------------------- outputs:
+
+_OUTPUT_KEYS = ("name", "run_id")
+
+
+def _output_placeholders(value: str) -> None:
+    for key in placeholders(value):
+        if key not in _OUTPUT_KEYS:
+            raise fail(f"unknown placeholder {{{key}}} (known: {{name}}, {{run_id}})")
+
+
+def outputs_path(path: str) -> str:
+    node_path(path)
+    _output_placeholders(path)
+    if path.rstrip("/") in ("", "~") or path.rstrip("/") == "/":
+        raise fail(f"{path!r} is too wide: give the folder the trainer writes its checkpoints to")
+    return path
+
+
+def outputs_dest(dest: str | None) -> str | None:
+    if dest is None:
+        return None
+    if not dest.startswith("s3://") or not dest[5:].split("/", 1)[0]:
+        raise fail(f"{dest!r} must be an s3://bucket/prefix/ URL")
+    _output_placeholders(dest)
+    return dest
+
+
 # --------------------------------------------------------------------------- run:
 
 
