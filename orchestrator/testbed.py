@@ -358,6 +358,18 @@ class Testbed:
         else:
             tsys.signal_pids(self._sshd_pids(st, listener=True), signal.SIGCONT)
 
+    def node_pids(self, node: Node | str) -> list[int]:
+        """Live processes of a namespace node: in its network or mount namespace ([] in loopback mode)."""
+        st = self._st(node)
+        return tsys.namespace_pids(st.netns, tsys.node_namespaces(st.proc.pid if st.proc else None)) if st.netns else []
+
+    def vanish(self, node: Node | str) -> list[int]:
+        """Gone like a reclaimed rented node: see testbed_sys.vanish_netns. Returns the pids killed."""
+        st = self._st(node)
+        if not st.netns or st.proc is None:
+            raise TestbedError(f"{st.node.name}: vanish needs a namespace node (root); this testbed is loopback")
+        return tsys.vanish_netns(st.netns, st.proc, st.link)
+
     def kill_ssh_sessions(self, node: Node | str) -> int:
         """Drop every SSH connection of the node (the listener stays); returns how many sshd died.
 

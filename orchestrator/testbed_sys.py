@@ -248,3 +248,57 @@ def reap_stale() -> list[str]:
         path.unlink(missing_ok=True)
         reaped.append(path.stem)
     return reaped
+
+
+def _ns_inode(pid: int, kind: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def node_namespaces(anchor: int | None) -> set[tuple[str, int]]:
+    """(kind, inode) of the network and mount namespaces of `anchor` (a node's sshd listener) that
+    are not this process's own: a node's processes are found by them and never match ours."""
+    out: set[tuple[str, int]] = set()
+    for kind in ("net", "mnt"):
+        node = _ns_inode(anchor, kind) if anchor else None
+        if node is not None and node != _ns_inode(os.getpid(), kind):
+            out.add((kind, node))
+    return out
+
+
+def namespace_pids(netns: str, spaces: set[tuple[str, int]]) -> list[int]:
+    """Every live process of a namespace node: `ip netns pids NETNS` plus those in `spaces`."""
+    listed = run(["ip", "netns", "pids", netns], check=False).stdout.split()
+    out = {int(p) for p in listed if p.isdigit()}
+    if spaces:
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and any(_ns_inode(int(entry.name), k) == ino for k, ino in spaces):
+                out.add(int(entry.name))
+    out.discard(os.getpid())
+    return sorted(p for p in out if pid_alive(p))
+
+
+def vanish_netns(netns: str, listener: subprocess.Popen[bytes], link: str | None, timeout: float = 10) -> list[int]:
+    """Kill every process of a namespace node (SIGKILL, no warning, as a reclaimed machine), reap its
+    sshd `listener`, then delete its network namespace and link. Returns the pids killed;
+    TestbedError if some survive."""
+    spaces = node_namespaces(listener.pid if listener.poll() is None else None)
+    killed: set[int] = set()
+    pids = namespace_pids(netns, spaces)
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:  # again: a process may fork while we kill
+        killed.update(pids)
+        signal_pids(pids, signal.SIGKILL)
+        time.sleep(0.02)
+        pids = namespace_pids(netns, spaces)
+    if pids:
+        raise TestbedError(f"{netns}: processes {pids} survived SIGKILL for {timeout:.0f}s")
+    stop_process(listener)
+    run(["ip", "netns", "delete", netns], check=False)
+    if link and Path(f"/sys/class/net/{link}").exists():
+        run(["ip", "link", "delete", link], check=False)
+    if run(["ip", "netns", "pids", netns], check=False).returncode == 0:
+        raise TestbedError(f"{netns}: the network namespace is still there after `ip netns delete`")
+    return sorted(killed)
