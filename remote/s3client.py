@@ -17,6 +17,7 @@ style on AWS itself.
 """
 from __future__ import annotations
 
+import hashlib
 import http.client
 import os
 import socket
@@ -36,7 +37,7 @@ from remote.s3errors import (  # S3Error, RangeIgnored, parse_content_range are 
     short_text,
     strip_ns,
 )
-from remote.s3sig import sign, uri_encode
+from remote.s3sig import EMPTY_SHA256, sign, uri_encode
 
 BUF_SIZE = 1 << 20
 def split_s3_url(url):
@@ -114,14 +115,20 @@ class S3Client:
         return "s3://%s/%s (%s)" % (bucket, key, self.endpoint)
 
     # ------------------------------------------------------------------ requests
-    def request(self, method, bucket, key="", query=(), headers=None, label=None):
+    def request(self, method, bucket, key="", query=(), headers=None, label=None, body=None, payload_hash=None):
         """Send one request and return the response with its body unread (status not checked).
-        ``label`` names what is asked for in error messages (default: the key)."""
+        ``label`` names what is asked for in error messages (default: the key). ``body`` (bytes or a
+        memoryview) goes out with its Content-Length; its sha256 (``payload_hash``, hex, computed here
+        when not given) is signed, so the server refuses bytes that differ from the ones hashed."""
         netloc, path = self._target(bucket, key)
         hdrs = {"host": netloc}
         hdrs.update(headers or {})
+        if body is not None:
+            hdrs["content-length"] = str(memoryview(body).nbytes)
+            if payload_hash is None and self.creds:
+                payload_hash = hashlib.sha256(body).hexdigest()
         if self.creds:
-            sign(method, path, list(query), hdrs, self.creds, self.region)
+            sign(method, path, list(query), hdrs, self.creds, self.region, payload_hash=payload_hash or EMPTY_SHA256)
         url = path
         if query:
             url += "?" + "&".join("%s=%s" % (uri_encode(k, False), uri_encode(v, False)) for k, v in query)
@@ -129,7 +136,7 @@ class S3Client:
         def send():
             conn = self._conn(netloc)
             try:
-                conn.request(method, url, headers=hdrs)
+                conn.request(method, url, body=body, headers=hdrs)
                 return conn.getresponse()
             except BaseException:
                 self._drop(netloc)

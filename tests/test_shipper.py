@@ -1,0 +1,242 @@
+"""The outputs shipper (remote/shipper.py): the process protocol, the settle rule, what is skipped, the
+bookkeeping, against the testbed's real S3 server. The shipper is stdlib node code: it runs here, as a
+process (spec on stdin) or in-process (run_pass), talking to the testbed's S3 over the network."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.testbed import S3Endpoint, Testbed
+from remote import shipper
+from remote.shipscan import Includer, settled
+
+pytestmark = pytest.mark.testbed
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+
+@pytest.fixture
+def s3(testbed: Testbed) -> S3Endpoint:
+    assert testbed.s3 is not None
+    return testbed.s3
+
+
+@pytest.fixture
+def bucket(s3: S3Endpoint) -> str:
+    name = "ship-" + secrets.token_hex(4)
+    s3.create_bucket(name)
+    return name
+
+
+def make_spec(s3: S3Endpoint, root: Path, dest: str, **over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "path": str(root), "dest": dest, "every": 300, "settle": 10, "include": ["**"], "cpu": 2.0,
+        "endpoint_url": s3.url, "region": s3.region, "credentials_mode": "controller",
+        "credentials": {"access_key": s3.access_key, "secret_key": s3.secret_key, "session_token": None},
+        "profile": None, "concurrency": 4, "part_size_mb": 5, "multipart_threshold_mb": 8}
+    spec.update(over)
+    return spec
+
+
+def objects(s3: S3Endpoint, bucket: str, prefix: str = "") -> dict[str, bytes]:
+    c = s3.client()
+    out = {}
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+def age(path: Path, seconds: float) -> None:
+    """Make a file look written ``seconds`` ago (mtime; its ctime stays now, later than mtime: touch's
+    utimes is a metadata change, which the settle rule treats like a rename, so also older on purpose)."""
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def outputs_json(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "outputs.json").read_text())
+
+
+class ShipperProc:
+    def __init__(self, run_dir: Path, spec: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen([sys.executable, "-m", "remote.shipper", str(run_dir)], cwd=REPO,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(spec) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def say(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((word + "\n").encode())
+        self.proc.stdin.flush()
+
+    def passes(self) -> int:
+        try:
+            return int(outputs_json(self.run_dir).get("passes") or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def wait_passes(self, n: int, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.passes() >= n and outputs_json(self.run_dir)["state"] != "shipping":
+                return outputs_json(self.run_dir)
+            assert self.proc.poll() is None, self.proc.communicate()
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {n} passes in {timeout}s: {outputs_json(self.run_dir)}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[ShipperProc]]:
+    made: list[ShipperProc] = []
+    yield made
+    for p in made:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait()
+
+
+def test_the_process_protocol(s3: S3Endpoint, bucket: str, tmp_path: Path, procs: list[ShipperProc]) -> None:
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    root.mkdir()
+    run_dir.mkdir()
+    (root / "step-1").mkdir()
+    (root / "step-1" / "model.pt").write_bytes(os.urandom(300_000))
+    age(root / "step-1" / "model.pt", 60)
+    (root / ".dfo-private").write_bytes(b"never ships")
+    spec = make_spec(s3, root, f"s3://{bucket}/runs/j1")  # no trailing slash: one is added
+    sp = ShipperProc(run_dir, spec)
+    procs.append(sp)
+    doc = sp.wait_passes(1)
+    assert doc["pid"] == sp.proc.pid and doc["state"] == "idle" and doc["dest"] == spec["dest"]
+    assert doc["last_pass"]["status"] == "shipped" and doc["last_pass"]["files"] == 1
+    assert doc["shipped"] == {"files": 1, "bytes": 300_000} and doc["lag_s"] == 0.0 and doc["errors"] == []
+    got = objects(s3, bucket)
+    assert set(got) == {"runs/j1/step-1/model.pt"}
+    assert got["runs/j1/step-1/model.pt"] == (root / "step-1" / "model.pt").read_bytes()
+    head = s3.client().head_object(Bucket=bucket, Key="runs/j1/step-1/model.pt")
+    assert head["Metadata"]["sha256"] == hashlib.sha256(got["runs/j1/step-1/model.pt"]).hexdigest()
+
+    # a pass on request ("ship"): nothing new -> no change; a new file written just now waits to settle
+    (root / "step-2.pt").write_bytes(b"x" * 1000)
+    sp.say("ship")
+    doc = sp.wait_passes(2)
+    assert doc["last_pass"]["status"] == "no change" and doc["last_pass"]["pending"] == 1
+    assert doc["pending"] == 1 and "runs/j1/step-2.pt" not in objects(s3, bucket)
+    # SIGUSR1 asks for a pass too
+    os.kill(sp.proc.pid, signal.SIGUSR1)
+    sp.wait_passes(3)
+    # "final": the last pass ships what waits to settle (nothing holds it open), then exit 0
+    sp.say("final")
+    rc, out, err = sp.finish()
+    assert rc == 0, (out, err)
+    doc = outputs_json(run_dir)
+    assert doc["state"] == "done" and doc["final"]["final"] is True and doc["final"]["files"] == 1
+    assert doc["passes"] == 4 and doc["failed_passes"] == 0
+    assert objects(s3, bucket)["runs/j1/step-2.pt"] == b"x" * 1000
+    assert "pass 1: shipped 1 files" in out and "pass 4: shipped 1 files" in out
+    # bookkeeping: shipped.json under PATH/.dfo, never shipped itself; no secret anywhere on disk
+    rec = json.loads((root / ".dfo" / "shipped.json").read_text())["files"]
+    assert set(rec) == {"step-1/model.pt", "step-2.pt"}
+    assert all(not k.split("/")[-1].startswith(".dfo") and "/.dfo/" not in k for k in objects(s3, bucket))
+    for f in list(run_dir.rglob("*")) + list((root / ".dfo").rglob("*")):
+        if f.is_file():
+            assert s3.secret_key not in f.read_text(errors="replace"), f
+
+
+def test_eof_on_stdin_is_the_last_pass_and_a_failed_one_exits_1(s3: S3Endpoint, tmp_path: Path,
+                                                                 procs: list[ShipperProc]) -> None:
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    root.mkdir()
+    run_dir.mkdir()
+    (root / "a.bin").write_bytes(b"a" * 10)
+    age(root / "a.bin", 60)
+    spec = make_spec(s3, root, "s3://no-such-bucket-" + secrets.token_hex(3) + "/x/")
+    sp = ShipperProc(run_dir, spec)
+    procs.append(sp)
+    doc = sp.wait_passes(1)
+    assert doc["state"] == "idle" and doc["last_pass"]["ok"] is False and doc["failed_passes"] == 1
+    assert "NoSuchBucket" in doc["errors"][-1]["error"]
+    assert sp.proc.stdin is not None
+    sp.proc.stdin.close()
+    rc, out, _ = sp.proc.wait(timeout=60), (sp.proc.stdout.read().decode() if sp.proc.stdout else ""), None
+    assert rc == 1
+    doc = outputs_json(run_dir)
+    assert doc["state"] == "failed" and doc["final"]["ok"] is False and doc["passes"] == 2
+    assert "FAILED" in out and s3.secret_key not in out
+
+
+def test_run_pass_in_process_then_no_change(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    root.mkdir()
+    run_dir.mkdir()
+    for i in range(5):
+        (root / f"f{i}.bin").write_bytes(os.urandom(1000 + i))
+        age(root / f"f{i}.bin", 60)
+    spec = make_spec(s3, root, f"s3://{bucket}/p/")
+    p = shipper.run_pass(spec, str(run_dir))
+    assert (p["ok"], p["status"], p["files"], p["bytes"]) == (True, "shipped", 5, sum(1000 + i for i in range(5)))
+    assert set(p) >= {"n", "started", "ended", "seconds", "final", "skipped", "pending", "changed_during",
+                      "mb_per_s", "error"}
+    p2 = shipper.run_pass(spec, str(run_dir))
+    assert (p2["ok"], p2["status"], p2["files"], p2["n"]) == (True, "no change", 0, 2)
+    doc = outputs_json(run_dir)
+    assert doc["passes"] == 2 and doc["shipped"]["files"] == 5
+
+
+def test_a_missing_path_or_no_dest_is_no_change(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    p = shipper.run_pass(make_spec(s3, tmp_path / "absent", f"s3://{bucket}/p/"), str(run_dir))
+    assert (p["ok"], p["status"]) == (True, "no change")
+    p = shipper.run_pass(make_spec(s3, tmp_path, None), str(run_dir))
+    assert (p["ok"], p["status"]) == (True, "no change")
+
+
+# --------------------------------------------------------------------------- pure logic
+
+
+class _St:
+    def __init__(self, mtime: float, ctime: float) -> None:
+        self.st_mtime_ns, self.st_ctime_ns = int(mtime * 1e9), int(ctime * 1e9)
+        self.st_dev, self.st_ino = 1, 42
+
+
+def test_the_settle_rule() -> None:
+    now = 1000 * 10**9
+    never = lambda: set()  # noqa: E731
+    held = lambda: {(1, 42)}  # noqa: E731
+    assert settled(_St(980, 980), now, 10, never)  # unchanged for 20 s
+    assert not settled(_St(995, 995), now, 10, never)  # written 5 s ago
+    assert settled(_St(995, 998), now, 10, never)  # renamed into place after its last write
+    assert not settled(_St(995, 998), now, 10, held)  # ... but still open for writing somewhere
+    assert not settled(_St(980, 995), now, 10, held)  # its ctime counts for "unchanged" too
+    assert not settled(_St(980, 999.5), now, 10, held)
+
+
+def test_include_patterns() -> None:
+    inc = Includer(["**"])
+    assert inc.included("a/b/c.pt") and inc.included("x")
+    inc = Includer(["*.pt", "!tmp/", "logs/"])
+    assert inc.included("a/b/c.pt") and inc.included("c.pt") and not inc.included("c.txt")
+    assert not inc.included("tmp/c.pt") and inc.included("logs/x.txt")
+    inc = Includer(["/top.bin"])
+    assert inc.included("top.bin") and not inc.included("a/top.bin")
