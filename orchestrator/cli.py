@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sync-data": ("data", "sync_data", "Copy the job's data.source (s3://bucket/prefix/) to data.dest on each node."),
     "sync-code": ("code", "sync_code", "Push the job's code: folder to the node (launch and up do it first)."),
     "pull": ("code", "pull_cmd", "Copy a run's files from the node to this machine, verified (default ./runs/RUN/)."),
+    "outputs": ("outputs", "outputs_cmd", "What a run shipped to outputs.dest: files, bytes, passes, last pass, lag, errors."),
     "launch": ("runs", "launch_cmd", "Start the job's run.command detached on the node and watch its first seconds."),
     "tail": ("runs", "tail_cmd",
              "Follow a run's log until the run ends (RUN: an id or its unique prefix; default: the newest run)."),

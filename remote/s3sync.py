@@ -141,7 +141,7 @@ def resolve_dest(dest, field):
 
 def checked_dest(req, what):
     """The request's dest, normalised, and its real path once ``remote.s3dest`` accepts it (else exit 2)."""
-    field = "%s.dest" % what
+    field = req.get("dest_field") or "%s.dest" % what
     dest = resolve_dest(req.get("dest"), field)
     return dest, check_dest(dest, field, req.get("workspace"), req.get("venv"))
 
@@ -201,7 +201,9 @@ def make_client(req):
         raise RemoteError("config", "s3.endpoint_url: %s" % exc) from None
 
 
-def list_source(client, bucket, prefix):
+def list_source(client, bucket, prefix, skip_meta=False):
+    """The objects under the prefix. ``skip_meta`` (restore of outputs): keys with a part starting with
+    .dfo are dfo's bookkeeping there, skipped; otherwise such a key is refused."""
     objs = []
     try:
         for item in client.list_objects(bucket, prefix):
@@ -210,6 +212,8 @@ def list_source(client, bucket, prefix):
                 continue  # a "directory" marker
             rel = key[len(prefix):]
             parts = rel.split("/")
+            if skip_meta and any(p.startswith(META_DIR) for p in parts):
+                continue
             if any(p in ("", ".", "..", META_DIR) for p in parts) or "\0" in rel:
                 raise RemoteError("verify", "s3://%s/%s: this key cannot be a file under the destination" % (
                     bucket, key), hint="rename the object, or sync a narrower prefix")
@@ -268,11 +272,15 @@ def sync(req):
     source = "s3://%s/%s" % (bucket, prefix)
     shown, dest = checked_dest(req, what)
     client = make_client(req)
-    objs = list_source(client, bucket, prefix)
+    objs = list_source(client, bucket, prefix, skip_meta=bool(req.get("restore")))
+    if not objs and req.get("restore"):  # outputs restore: nothing shipped there yet
+        return {"source": source, "dest": shown, "endpoint": client.endpoint, "fetched": 0, "skipped": 0,
+                "deleted": 0, "bytes": 0, "files_total": 0, "bytes_total": 0, "seconds": round(time.monotonic() - t0, 3),
+                "mb_per_s": 0.0, "verified": {}, "changed": 0, "changed_files": [], "kept": 0, "kept_files": []}
     if not objs:
         raise RemoteError("verify", "no objects under %s (%s)" % (source, client.endpoint),
                           hint="check %s.source in the job file; nothing was changed on the node" % what)
-    manifest = open_manifest(dest, source, "%s.dest" % what)
+    manifest = open_manifest(dest, source, req.get("dest_field") or "%s.dest" % what)
     stop = threading.Event()
     kept = []
     try:

@@ -50,7 +50,7 @@ def test_top_level_imports_nothing_heavy(argv: list[str]) -> None:
 def test_mistyped_command_is_usage_error_with_a_suggestion() -> None:
     res = CliRunner().invoke(cli_mod.cli, ["stauts"])
     assert res.exit_code == 2
-    assert "No such command 'stauts'" in res.output and "Did you mean 'status'?" in res.output
+    assert "No such command 'stauts'" in res.output and "'status'" in res.output.split("Did you mean")[1]
 
 
 def test_version() -> None:

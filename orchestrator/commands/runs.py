@@ -23,8 +23,9 @@ from ..cli_common import (
 from ..config import LoadedJob, RunConfig, load_job
 from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, ConnectionLost, DfoError, UsageError
+from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
+from ..steps.outputs import final_line as outputs_final
 from .runs_follow import follow_hosts
 from .runs_follow import run_workspace as _workspace
 from .runs_view import (
@@ -64,7 +65,9 @@ class Launched:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_RUN if self.final.state in ("failed", "lost", "stopped") else 0
+        if self.final.state in ("failed", "lost", "stopped"):
+            return EXIT_RUN
+        return EXIT_VERIFY if self.final.state == "succeeded" and self.final.outputs_failed() else 0
 
     def report(self) -> steps.LaunchReport:
         return steps.LaunchReport.of(self.info, self.final, self.seen, self.watched, recap(self.final, self.seen))
@@ -86,6 +89,12 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
                as_json: bool) -> int:
     """Start the job's run.command detached on the node and watch its first seconds.
 
+    Pushes the job's code: folder first (as sync-code does). With outputs.dest and
+    outputs.restore (the default), when outputs.path on the node is missing or empty (dfo's
+    .dfo names aside), it is filled from outputs.dest first with sync-data's engine
+    (verified, resumable) and one line says what came back ("restore: ..."); a path that
+    holds files is left alone. With outputs.dest, the run's supervisor also starts the
+    shipper (S3 credentials reach it on stdin only): see dfo outputs.
     Copies run.upload files (relative to the job file) into run.workdir when their sha256
     differs, then starts the trainer with `bash -c` under a small supervisor in a new session:
     stdin from /dev/null, stdout+stderr to the run's log, PYTHONUNBUFFERED=1 and run.env. The
@@ -103,8 +112,10 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
 
     \b
     Exit codes: 0 the run is alive after --wait (or ended with 0 in it); 2 bad job file, a
-    run.upload file missing, or a live run refused; 4 host unreachable; 5 the run died in the
-    window (failed, stopped or lost); 130 Ctrl-C (the run goes on).
+    run.upload file missing, no S3 credentials for outputs, or a live run refused; 3 the
+    restore failed a check, or the run ended with 0 in the window but the last pass of its
+    outputs failed; 4 host unreachable; 5 the run died in the window (failed, stopped or
+    lost); 130 Ctrl-C (the run goes on).
     """
     loaded = load_job(job_path)
     run = loaded.need("run")
@@ -112,6 +123,9 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     from .preflight import check_run  # launch only: status and tail need not import it
 
     check_run(loaded)  # the whole run: section, before any host is touched (exit 2)
+    from ..steps.outputs import check as check_outputs
+
+    check_outputs(loaded)  # S3 credentials for outputs.dest (exit 2)
     window = run.wait if wait is None else wait
     sess = session(ctx, hosts)
     one, render, started = launcher(ctx, loaded, job_path, window=window, force=force, quiet=as_json,
@@ -146,7 +160,7 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
 
     def one(conn: Connection) -> Launched:
         try:
-            info = steps.launch(conn, loaded, force=force)
+            info = steps.launch(conn, loaded, force=force, note=lines.note(conn.name))
         except DfoError as exc:
             live = (exc.details or {}).get("running")
             if live:  # refused: the job already runs here; say how to reach that run
@@ -194,6 +208,10 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
                 console.print("last lines:")
                 print_lines(recap(f, r.seen), "  ")
             print_lines(render_diagnoses(f.diagnoses(r.seen)))
+            ended = outputs_final(f.outputs)
+            if ended:
+                console.print(("  [red]" if ended[1] else "  ") + safe(ended[0]) + ("[/]" if ended[1] else ""),
+                              soft_wrap=True)
         guard = guard_line(f)
         if guard:
             console.print("  " + safe(guard), soft_wrap=True)
@@ -221,14 +239,16 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     (or nothing, not even a heartbeat, arrives for 8s) it reconnects with backoff and resumes at
     that exact offset: every line is printed once, in order. It ends when the run has ended and
     its log is drained: exit 0 when the run succeeded, 5 when it failed, was stopped or was lost
-    (with a diagnosis on stderr). Ctrl-C detaches and leaves the run alone: exit 130.
+    (with a diagnosis on stderr). A run with outputs: is followed until the last pass of its
+    shipper (after the run ended) has finished or failed, and a line on stderr says which. Ctrl-C detaches and leaves the run alone: exit 130.
     Log lines go to stdout exactly as the trainer wrote them; dfo's own notes go to stderr.
     With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run;
     without RUN or -j it is the newest run of any job there. Without RUN, the run taken (and its
     job) is named on stderr first.
 
     \b
-    Exit codes: 0 the run succeeded (or --no-follow); 2 bad usage or no such run; 4 host
+    Exit codes: 0 the run succeeded (or --no-follow); 2 bad usage or no such run; 3 the run
+    succeeded but the last pass of its outputs failed (dfo outputs --ship retries it); 4 host
     unreachable, or the connection stayed lost for 300s; 5 the run failed, was stopped or
     was lost; 130 Ctrl-C (the run goes on).
     """
@@ -263,7 +283,9 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     processes were killed from outside; pids are checked together with their start times, so a
     reused pid never passes for the run). A failed or lost run gets a diagnosis. With RUN: that
     run in detail, with its last lines. With -j: only that job's runs, in its workspace; without
-    it, every job's runs in the host's workspace (the job column says whose).
+    it, every job's runs in the host's workspace (the job column says whose). A run with
+    outputs: gets one "outputs:" line: the shipper's state, files and bytes shipped, how the
+    last pass went and when, the lag, the last error (details: dfo outputs).
 
     \b
     Exit codes: 0 listed (also when there are no runs); 2 bad usage or no such run;

@@ -16,8 +16,9 @@ import click
 from ..cli_common import err_console, report_error, safe
 from ..config import LoadedJob
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, ConnectionLost
+from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost
 from ..steps import runs as steps
+from ..steps.outputs import final_line
 from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
@@ -109,6 +110,12 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
                           highlight=False, soft_wrap=True)
         for ln in render_diagnoses(info.diagnoses()):
             err_console.print(safe(ln), highlight=False, soft_wrap=True)
+        ended = final_line(info.outputs)
+        if ended:  # how the run's last pass went (the follow ends only after it)
+            err_console.print(f"dfo: {safe(o.host)}: " + (f"[red]{safe(ended[0])}[/]" if ended[1] else safe(ended[0])),
+                              highlight=False, soft_wrap=True)
         if info.state != "succeeded":
             code = max(code, EXIT_RUN)
+        elif info.outputs_failed():
+            code = max(code, EXIT_VERIFY)
     return code, outcomes, {h: list(v) for h, v in last.items()}

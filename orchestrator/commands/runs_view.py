@@ -19,6 +19,7 @@ import click
 from ..cli_common import console, err_console, safe
 from ..diagnosis import render as render_diagnoses
 from ..steps import runs as steps
+from ..steps.outputs import summary_line
 
 STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
 RECAP_LINES = 10
@@ -137,6 +138,9 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
         guard = guard_line(r)
         if guard:
             t.add_row("autotune", safe(guard.split(": ", 1)[1]))
+        shipped = summary_line(r.outputs)
+        if shipped:
+            t.add_row("outputs", safe(shipped.split(": ", 1)[1]))
         console.print(t)
         lines = r.tail or ([r.last_line] if r.last_line else [])
         if lines:
@@ -152,6 +156,10 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
         t.add_row(safe(r.id), safe(r.job or "?"), state_markup(r.state), safe(when(r.started)), duration(r),
                   safe(exit_text(r)), safe((r.last_line or "")[:80]))
     console.print(t)  # off a terminal: whole ids, no padding (DfoConsole)
+    for r in runs:
+        shipped = summary_line(r.outputs)
+        if shipped:
+            console.print(f"  {safe(r.id)}: {safe(shipped)}", highlight=False, soft_wrap=True)
     for r in runs:
         ds = r.diagnoses()
         if ds:

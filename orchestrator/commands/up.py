@@ -86,22 +86,30 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     that step's exit code. Steps with nothing to do say so and cost little, so `up` is safe to
     re-run: a job whose run is still alive is not launched twice; dfo follows it instead.
     Sections the job does not have (model:, data:) are skipped. Ctrl-C while following
-    detaches and leaves the run alone.
+    detaches and leaves the run alone. Launch pushes code: and, with outputs.dest and
+    outputs.restore, puts back what outputs.dest holds when outputs.path on the node is
+    missing or empty, so a trainer that resumes from its last checkpoint goes on where a
+    lost node stopped. With outputs:, the tail ends after the run's last pass has finished
+    or failed, and a line says which.
 
     With --json, stdout holds one document: {"hosts": {NAME: {"provision", "stage_model",
     "sync_data", "launch", "run"}}, "stopped_at", "exit_code"}, each step's object being what
     that command's --json prints for the host (null: not run), "run" the run at the end (id,
-    state, exit_code, ..., last_lines). The log itself is not printed then; the banners and
+    state, exit_code, ..., outputs, last_lines; outputs: the shipper's record, with "final",
+    the last pass). The log itself is not printed then; the banners and
     dfo's notes still go to stderr.
 
     \b
     Exit codes: those of the step that stopped the chain (2 bad job file, 3 verification,
-    4 host unreachable, 5 the run died at launch), else tail's: 0 the run succeeded, 5 it failed,
-    130 detached with Ctrl-C.
+    4 host unreachable, 5 the run died at launch), else tail's: 0 the run succeeded, 3 it
+    succeeded but the last pass of its outputs failed, 5 it failed, 130 detached with Ctrl-C.
     """
     loaded = load_job(job_path)
     sess = session(ctx, hosts)  # the hosts and groups exist in the inventory (nothing is connected yet)
     requests = check_job(loaded)
+    from ..steps.outputs import check as check_outputs
+
+    check_outputs(loaded)  # S3 credentials for outputs.dest (exit 2 before any step)
     report = UpReport(hosts={n: UpHost() for n in sess.names})
     t0 = time.monotonic()
     with sess:

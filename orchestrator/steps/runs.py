@@ -69,6 +69,8 @@ class RunInfo(BaseModel):
     stop_seconds: float | None = None
     group_left: list[int] | None = None
     offset: int | None = None
+    outputs: dict[str, Any] | None = None  # the shipper's record (RUN_DIR/outputs.json); None: nothing ships
+    restore: dict[str, Any] | None = None  # launch only: what restore fetched before the run started
 
     def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
         if self.state not in ("failed", "lost"):
@@ -79,7 +81,14 @@ class RunInfo(BaseModel):
     def brief(self) -> RunBrief:
         return RunBrief(id=self.id, job=self.job, state=self.state, exit_code=self.exit_code, started=self.started,
                         ended=self.ended, signal=self.signal, pid=self.pid, last_line=self.last_line,
-                        autotune_guard=self.autotune_guard, diagnosis=[d.to_json() for d in self.diagnoses()])
+                        autotune_guard=self.autotune_guard, diagnosis=[d.to_json() for d in self.diagnoses()],
+                        outputs=self.outputs)
+
+    def outputs_failed(self) -> bool:
+        """The run ended and the last pass of its outputs failed (tail and up exit 3 when it succeeded)."""
+        o = self.outputs or {}
+        last = o.get("final") or {}
+        return self.state != "running" and (o.get("state") == "failed" or last.get("ok") is False)
 
 
 # --------------------------------------------------------------------------- the --json documents
@@ -99,6 +108,7 @@ class RunBrief(BaseModel):
     last_line: str | None
     autotune_guard: dict[str, Any] | None
     diagnosis: list[dict[str, Any]]
+    outputs: dict[str, Any] | None = None  # the shipper's record (state, shipped, last_pass, lag_s, errors)
 
 
 class StatusReport(BaseModel):
@@ -121,13 +131,16 @@ class LaunchReport(BaseModel):
     watched_seconds: float
     last_lines: list[str]
     diagnosis: list[dict[str, Any]]
+    restore: dict[str, Any] | None = None  # outputs restore before the launch (sync-data's report), or null
+    outputs: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, info: RunInfo, final: RunInfo, seen: list[str], watched: float, last_lines: list[str]) -> LaunchReport:
         return cls(run=info.id, pid=info.pid, state=final.state, exit_code=final.exit_code, signal=final.signal,
                    run_dir=info.run_dir, uploads=info.uploads, autotune_guard=final.autotune_guard,
                    watched_seconds=round(watched, 1), last_lines=last_lines if final.state != "running" else [],
-                   diagnosis=[d.to_json() for d in final.diagnoses(seen)])
+                   diagnosis=[d.to_json() for d in final.diagnoses(seen)], restore=info.restore,
+                   outputs=final.outputs)
 
 
 class StopReport(BaseModel):
@@ -228,8 +241,10 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     return out
 
 
-def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None) -> RunInfo:
-    """Start the job's run detached on the node; returns once the trainer has a pid."""
+def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
+           note: Callable[[str], None] | None = None) -> RunInfo:
+    """Start the job's run detached on the node; returns once the trainer has a pid. First the code
+    (code:) and the outputs restore (outputs.restore), unless the job has a live run there."""
     job = loaded.job
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
@@ -237,11 +252,25 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
     rid = run_id or new_run_id(job.name)
     plain, secret = split_env(loaded)
     uploads = collect_uploads(loaded)
-    if job.code is not None and (force or all(r.state != "running" for r in status(conn, workspace, job=job.name))):
-        # code: first; a live run's code is left alone (its launch is refused below)
-        from .code import push_code
+    restore = None
+    out = job.outputs
+    wants_restore = out is not None and bool(out.dest) and out.restore
+    if (job.code is not None or wants_restore) and (
+            force or all(r.state != "running" for r in status(conn, workspace, job=job.name))):
+        # code: and restore first; a live run's code and outputs are left alone (its launch is refused below)
+        if job.code is not None:
+            from .code import push_code
 
-        push_code(conn, loaded)
+            push_code(conn, loaded)
+        if wants_restore:
+            from .outputs import restore as restore_outputs
+            from .outputs import restore_line
+
+            r = restore_outputs(conn, loaded, rid)
+            if r is not None:
+                restore = r.model_dump()
+                if note is not None:
+                    note(restore_line(r))
     req: dict[str, Any] = {
         "op": "launch", "workspace": workspace, "run_id": rid, "job": job.name, "host": conn.host.name,
         "command": render_command(job, run_id=rid, workspace=workspace), "workdir": run.workdir,
@@ -249,6 +278,10 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
         "stop_grace": run.stop_grace, "job_file": str(loaded.path),
         "uploads": [{k: v for k, v in u.items() if not k.startswith("_")} for u in uploads],
     }
+    if out is not None:
+        from .outputs import launch_fields
+
+        req.update(launch_fields(loaded, rid))  # the spec; credentials (stdin only) beside it
     data = run_module(conn, MODULE, req, timeout=120)
     if "need" in data:  # some files differ on the node: send their content (only theirs)
         need = set(data["need"])
@@ -256,7 +289,9 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
             if up["path"] in need:
                 up["content_b64"] = base64.b64encode(Path(local["_local"]).read_bytes()).decode()
         data = run_module(conn, MODULE, req, timeout=600)
-    return RunInfo.model_validate(data)
+    info = RunInfo.model_validate(data)
+    info.restore = restore
+    return info
 
 
 # --------------------------------------------------------------------------- status / stop / read
