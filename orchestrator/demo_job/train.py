@@ -22,6 +22,12 @@ in a ThreadPoolExecutor thread, one per pair. The drafters' gradients are averag
 drafter device, pair 0's optimizer steps, and the new weights are copied to the other drafters,
 so all drafters stay equal. 4 GPUs = 2 pairs; with fewer GPUs devices are shared (on one GPU
 everything sits on cuda:0), and on a CPU every pair runs on "cpu" (threads all the same).
+
+Under torchrun (``WORLD_SIZE`` > 1 in the environment) it trains data-parallel with
+DistributedDataParallel: one process per device (cuda:LOCAL_RANK with NCCL, or the CPU with gloo),
+each with its own copy of the frozen target and its own batches; every rank logs the same
+all-reduced loss, rank 0 saves the checkpoint, and every rank resumes from rank 0's checkpoint.
+``--exit-at-step N --exit-rank R`` makes rank R exit 1 at step N (to test how a gang fails).
 """
 
 from __future__ import annotations
@@ -283,6 +289,79 @@ def train_pairs(a: argparse.Namespace) -> int:
     return 0
 
 
+def train_ddp(a: argparse.Namespace) -> int:
+    """One rank of a torchrun gang: the drafter in DDP, the loss all-reduced, rank 0 checkpoints."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = a.device.startswith("cuda") and torch.cuda.is_available()
+    dev = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=a.dist_timeout),
+                            device_id=dev if cuda else None)
+    torch.manual_seed(a.seed)  # the same initial drafter everywhere (DDP also broadcasts rank 0's)
+    ckpt_path = os.path.join(a.output_dir, "ckpt-last.pt")
+    tokens, doc_ids = load_shards(a.data_dir)
+    target, cfg = load_target(a.target_model, a.target)
+    target = target.to(dev, dtype=torch.bfloat16 if a.target == "fla" else torch.float32)
+    drafter = Drafter(cfg["d_model"], cfg["vocab"], a.block_size, a.width).to(dev)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr)
+    step, box = 0, [None]
+    if rank == 0 and os.path.exists(ckpt_path):
+        box[0] = torch.load(ckpt_path, map_location="cpu")
+    dist.broadcast_object_list(box, src=0)  # every rank resumes from rank 0's checkpoint
+    if box[0] is not None:
+        drafter.load_state_dict(box[0]["drafter"])
+        opt.load_state_dict(box[0]["opt"])
+        step = box[0]["step"]
+        print(f"rank {rank}: resumed from {ckpt_path} at step {step}", flush=True)
+    model = DistributedDataParallel(drafter, device_ids=[local] if cuda else None)
+    print(f"ddp: rank {rank} of {world}, local rank {local}, node {os.environ.get('GROUP_RANK', '?')}, "
+          f"device {dev}, backend {backend}; data: {tokens.numel()} tokens", flush=True)
+    gen = torch.Generator().manual_seed(a.seed + 1000003 * rank + step)  # each rank its own batches
+    it = batches(tokens, doc_ids, a.seq_len, a.batch_size, a.block_size, gen)
+    offsets = torch.arange(1, a.block_size + 1)
+    t0, seen = time.time(), 0
+    while step < a.max_steps:
+        x, valid = next(it)
+        with torch.no_grad():
+            hidden = target(x.to(dev)).float()
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        if b_idx.numel() > a.max_anchors:
+            pick = torch.randperm(b_idx.numel(), generator=gen)[: a.max_anchors]
+            b_idx, t_idx = b_idx[pick], t_idx[pick]
+        labels = x[b_idx[:, None], t_idx[:, None] + offsets].to(dev)
+        logits = model(hidden[b_idx.to(dev), t_idx.to(dev)])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients over the ranks here
+        opt.step()
+        step += 1
+        seen += x.numel() * world
+        if a.exit_at_step and step == a.exit_at_step and rank == a.exit_rank:
+            print(f"rank {rank}: exiting with 1 at step {step} (--exit-at-step)", flush=True)
+            os._exit(1)
+        if step % a.log_interval == 0 or step == a.max_steps:
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            mean /= world
+            el = time.time() - t0
+            print(f"rank {rank}: step {step} loss {mean.item():.4f} (all-reduced over {world} ranks) "
+                  f"tok/s {seen / max(el, 1e-9):.0f} elapsed {el:.1f}s", flush=True)
+        if rank == 0 and (step % a.save_interval == 0 or step == a.max_steps):
+            save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: done: {step} steps" + (f", checkpoint {ckpt_path}" if rank == 0 else ""), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target-model", required=True)
@@ -304,7 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-interval", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", action="store_true", help="sequential warmup of every replica before threads start")
+    ap.add_argument("--dist-timeout", type=float, default=1800, help="torch.distributed collective timeout (s)")
+    ap.add_argument("--exit-at-step", type=int, default=0, help="under torchrun: --exit-rank exits 1 at this step")
+    ap.add_argument("--exit-rank", type=int, default=0)
     a = ap.parse_args(argv)
+    os.makedirs(a.output_dir, exist_ok=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if a.dp_pairs or a.dp_replicas > 1:
+            ap.error("under torchrun each rank is one device: drop --dp-pairs / --dp-replicas")
+        return train_ddp(a)
     if a.dp_pairs < 0 or (a.dp_pairs and a.dp_replicas > 1):
         ap.error("--dp-pairs takes N >= 1 and does not combine with --dp-replicas")
     if a.dp_pairs:
