@@ -5,11 +5,10 @@
 #   verify: dfo verify-env --gpu on every GPU (exit 3 expected on Hopper with triton 3.6.0: FLA #640)
 #   race:   2 pairs, NO guard, no warmup, cold caches, 3 times: launch should diagnose the race (exit 5)
 #   guard:  2 pairs, guard without warmup, 200 steps; then guard + sequential warmup, 200 steps
+#   ddp:    the trainer under torchrun, one process per GPU (4, NCCL), guard on (jobs/demo-ddp-gpu.yaml)
 # Run from the repo root on the device (carry .whl .whl-dfo), all parts or some, each part ~3-4 min:
 #   bash bench/gpu/demo_pairs_h200x4.sh                 # = verify race guard
 #   bash bench/gpu/demo_pairs_h200x4.sh verify guard
-# Not here: the trainer under torchrun (4 processes): the trainer has no torch.distributed mode and
-# dfo's gang work has not landed (docs/gpu.md, "Pairs mode").
 set -u
 HOST=h200x4; . bench/gpu/device_env.sh
 J=jobs/demo-gpu-pairs.yaml
@@ -44,7 +43,12 @@ PARTS=${*:-verify race guard}
       D launch -H $HOST -j jobs/_$j.yaml --wait 3
       D tail -H $HOST -j jobs/_$j.yaml -n +0
     done ;;
-  *) echo "unknown part $part (verify, race, guard)"; exit 2 ;;
+  ddp)
+    echo "=== 4: the trainer under torchrun, one process per GPU, 200 steps"
+    D stage-model -H $HOST -j jobs/demo-ddp-gpu.yaml
+    D launch -H $HOST -j jobs/demo-ddp-gpu.yaml --wait 3
+    D tail -H $HOST -j jobs/demo-ddp-gpu.yaml -n +0 ;;
+  *) echo "unknown part $part (verify, race, guard, ddp)"; exit 2 ;;
   esac; done
   D status -H $HOST
 } 2>&1 | tee "$OUT/demo_pairs_h200x4.log"
