@@ -136,7 +136,7 @@ def local_etag(path, size, part_size, multipart, governor=None):
 
 class Uploader:
     def __init__(self, client, bucket, concurrency=8, part_size=16 * MIB, threshold=64 * MIB, cpu=2.0,
-                 progress=None, stop=None, governor=None):
+                 progress=None, stop=None, governor=None, journal=None):
         self.client, self.bucket = client, bucket
         self.concurrency = max(1, int(concurrency))
         self.part_size = max(5 * MIB, int(part_size))
@@ -145,6 +145,7 @@ class Uploader:
         self.stop = stop or threading.Event()
         self.governor = governor or CpuGovernor(cpu, stop=self.stop)
         self.parts_pool = None
+        self.journal = journal  # .opened(bucket, key, upload_id) / .closed(...): open uploads, kept on disk
 
     # ------------------------------------------------------------------ driver
     def upload(self, items):
@@ -263,6 +264,8 @@ class Uploader:
         sha = whole.hexdigest()
         self._check_same(fd, item["path"], st)
         upload_id = self._create(key, sha)
+        if self.journal is not None:
+            self.journal.opened(self.bucket, key, upload_id)
         try:
             nparts = (size + psize - 1) // psize
             halt = threading.Event()  # a part failed: the others not yet started are not sent
@@ -288,6 +291,8 @@ class Uploader:
                 except AttributeError:
                     pass
             raise
+        if self.journal is not None:
+            self.journal.closed(self.bucket, key, upload_id)
         return etag, sha
 
     def _create(self, key, sha):
@@ -371,16 +376,26 @@ class Uploader:
         return etag or expected
 
     def _abort(self, key, upload_id):
-        """AbortMultipartUpload, retried (even after a stop): the parts must not stay behind."""
-        def abort():
-            resp = self.client.request("DELETE", self.bucket, key, [("uploadId", upload_id)])
-            self._read(resp, key)
-            if resp.status not in (200, 204, 404):
-                self.client.check(resp, self.bucket, key, "DELETE", ok=(200, 204, 404))
+        note = abort_upload(self.client, self.bucket, key, upload_id)
+        if note is None and self.journal is not None:
+            self.journal.closed(self.bucket, key, upload_id)
+        return note
 
+
+def abort_upload(client, bucket, key, upload_id):
+    """AbortMultipartUpload, retried (even after a stop): the parts must not stay behind. None when done
+    (or the upload is gone already), else what went wrong."""
+    def abort():
+        resp = client.request("DELETE", bucket, key, [("uploadId", upload_id)])
+        client.check(resp, bucket, key, "DELETE", ok=(200, 204, 404))
         try:
-            retry(abort)
-        except (S3Error, OSError) as exc:
-            return "and its multipart upload %s could not be aborted (%s): parts may be left behind" % (
-                upload_id, exc)
-        return None
+            resp.read()
+        except (OSError, http.client.HTTPException):
+            client._drop(client._target(bucket, key)[0])
+
+    try:
+        retry(abort)
+    except (S3Error, OSError) as exc:
+        return "and its multipart upload %s could not be aborted (%s): parts may be left behind" % (
+            upload_id, exc.described() if isinstance(exc, S3Error) else exc)
+    return None

@@ -26,8 +26,8 @@ import time
 from remote.fsutil import human_bytes, write_atomic
 from remote.retry import Stopped
 from remote.s3client import S3Error, split_s3_url
-from remote.s3put import MIB, CpuGovernor, Uploader, local_etag
-from remote.shipscan import META, Includer, Shipped, open_for_writing, scan, settled
+from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag
+from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, scan, settled
 
 OUTPUTS_JSON = "outputs.json"
 ERRORS_KEPT = 5
@@ -142,8 +142,13 @@ class Shipper:
         lock_fd = os.open(os.path.join(self.root, META, "ship.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one pass at a time on this path (shipper, or dfo outputs --ship)
+            journal = OpenUploads(self.root)
+            for b, k, uid in journal.left():  # left open by a shipper that was killed: abort them now
+                if abort_upload(self._client(), b, k, uid) is None:
+                    journal.closed(b, k, uid)
             shipped = Shipped(self.root).load()
             ready, pending = self._ready(includer, shipped, prefix, settle, final, p)
+            shipped.files = {rel: e for rel, e in shipped.files.items() if rel in self._seen}  # gone: forgotten
             p["pending"] = len(pending)
             todo = self._not_in_dest(ready, shipped, bucket, prefix, p)
             results = []
@@ -151,7 +156,7 @@ class Shipper:
                 up = Uploader(self._client(), bucket, int(self.spec.get("concurrency") or 8),
                               int(self.spec.get("part_size_mb") or 16) * MIB,
                               int(self.spec.get("multipart_threshold_mb") or 64) * MIB,
-                              stop=self.stop, governor=self.governor)
+                              stop=self.stop, governor=self.governor, journal=journal)
                 items = [{"path": os.path.join(self.root, rel), "key": prefix + rel, "size": st.st_size}
                          for rel, st in todo]
                 results = up.upload(items)
@@ -189,7 +194,9 @@ class Shipper:
         while True:
             ready, pending = [], []
             now = time.time_ns()
-            for rel, st in scan(self.root, includer):
+            found = scan(self.root, includer)
+            self._seen = {rel for rel, _ in found}
+            for rel, st in found:
                 if shipped.current(rel, st, prefix + rel):
                     continue
                 if settled(st, now, settle, open_w) or (final and (st.st_dev, st.st_ino) not in open_w()):

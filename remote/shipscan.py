@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+import threading
 
 from remote.fsutil import write_atomic
 
@@ -186,3 +187,39 @@ class Shipped:
         os.makedirs(self.meta, mode=0o700, exist_ok=True)
         data = json.dumps({"version": 1, "files": self.files}, sort_keys=True, separators=(",", ":"))
         write_atomic(self.path, data.encode("utf-8"), 0o600)
+
+
+class OpenUploads:
+    """PATH/.dfo/uploads.json: the multipart uploads this path's shipper has open. One left there by a
+    shipper that was killed (SIGKILL, the node rebooted) is aborted by the next pass, so that no
+    orphan parts stay behind (they cost storage and are invisible in a listing)."""
+
+    def __init__(self, root):
+        self.path = os.path.join(root, META, "uploads.json")
+        self.lock = threading.Lock()
+        self.open = {}
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.loads(f.read().decode("utf-8"))
+            for u in doc.get("uploads") or []:
+                self.open[(u["bucket"], u["key"], u["id"])] = True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.open = {}
+
+    def _save(self):
+        doc = {"uploads": [{"bucket": b, "key": k, "id": i} for b, k, i in sorted(self.open)]}
+        write_atomic(self.path, json.dumps(doc).encode("utf-8"), 0o600)
+
+    def opened(self, bucket, key, upload_id):
+        with self.lock:
+            self.open[(bucket, key, upload_id)] = True
+            self._save()
+
+    def closed(self, bucket, key, upload_id):
+        with self.lock:
+            if self.open.pop((bucket, key, upload_id), None) is not None:
+                self._save()
+
+    def left(self):
+        with self.lock:
+            return sorted(self.open)

@@ -240,3 +240,144 @@ def test_include_patterns() -> None:
     assert not inc.included("tmp/c.pt") and inc.included("logs/x.txt")
     inc = Includer(["/top.bin"])
     assert inc.included("top.bin") and not inc.included("a/top.bin")
+
+
+# --------------------------------------------------------------------------- what is skipped, what never ships
+
+
+def test_a_fresh_node_skips_what_dest_already_holds(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "sub").mkdir()
+    files = {"small.bin": os.urandom(1000), "sub/big.bin": os.urandom(13 * MIB), "c.bin": os.urandom(500)}
+    for rel, data in files.items():
+        (a / rel).write_bytes(data)
+        age(a / rel, 60)
+    dest = f"s3://{bucket}/r/"
+    p = shipper.run_pass(make_spec(s3, a, dest), str(tmp_path))
+    assert (p["ok"], p["files"]) == (True, 3), p
+    # node B after a restore: the same bytes, new inodes, no .dfo/shipped.json; c.bin differs (same size)
+    (b / "sub").mkdir(parents=True)
+    for rel, data in files.items():
+        (b / rel).write_bytes(os.urandom(500) if rel == "c.bin" else data)
+        age(b / rel, 60)
+    run_b = tmp_path / "run-b"
+    run_b.mkdir()
+    p = shipper.run_pass(make_spec(s3, b, dest), str(run_b))
+    assert (p["ok"], p["files"], p["skipped"]) == (True, 1, 2), p  # only c.bin travelled
+    assert objects(s3, bucket, "r/c.bin")["r/c.bin"] == (b / "c.bin").read_bytes()
+    rec = json.loads((b / ".dfo" / "shipped.json").read_text())["files"]
+    assert set(rec) == set(files) and rec["sub/big.bin"]["etag"].endswith("-3")
+    p = shipper.run_pass(make_spec(s3, b, dest), str(run_b))
+    assert (p["files"], p["skipped"], p["status"]) == (0, 0, "no change"), p
+    # a file deleted on the node is forgotten (nothing is deleted on S3)
+    (b / "small.bin").unlink()
+    shipper.run_pass(make_spec(s3, b, dest), str(run_b))
+    assert "small.bin" not in json.loads((b / ".dfo" / "shipped.json").read_text())["files"]
+    assert "r/small.bin" in objects(s3, bucket, "r/small.bin")
+
+
+@pytest.mark.parametrize("with_sha", [True, False])
+def test_an_object_another_tool_uploaded(s3: S3Endpoint, bucket: str, tmp_path: Path, with_sha: bool) -> None:
+    """Uploaded in 5 MiB parts by boto3 (as aws s3 cp would): its ETag cannot be computed with the shipper's
+    6 MiB parts. With x-amz-meta-sha256 equal to the file's, it is recorded and not sent; without, it is sent."""
+    import io
+
+    from boto3.s3.transfer import TransferConfig
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    data = os.urandom(12 * MIB)
+    (root / "m.bin").write_bytes(data)
+    age(root / "m.bin", 60)
+    extra = {"Metadata": {"sha256": hashlib.sha256(data).hexdigest()}} if with_sha else {}
+    s3.client().upload_fileobj(io.BytesIO(data), bucket, "o/m.bin", ExtraArgs=extra,
+                               Config=TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB))
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/o/", part_size_mb=6), str(tmp_path))
+    assert p["ok"] is True, p
+    assert (p["files"], p["skipped"]) == ((0, 1) if with_sha else (1, 0)), p
+    assert objects(s3, bucket, "o/")["o/m.bin"] == data
+
+
+def test_include_patterns_and_dfo_names(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for rel in ("a.pt", "b.txt", "old/c.pt", "sub/.dfo/x.pt", "sub/.dfo-y.pt", ".dfo/z.pt", "sub/d.pt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rel.encode())
+        age(root / rel, 60)
+    os.symlink(root / "a.pt", root / "link.pt")  # a symlink is not a regular file: not shipped
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/i/", include=["*.pt", "!old/"]), str(tmp_path))
+    assert p["ok"] is True, p
+    assert set(objects(s3, bucket)) == {"i/a.pt", "i/sub/d.pt"}
+
+
+def test_settle_rename_into_place_ships_at_once(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    spec = make_spec(s3, root, f"s3://{bucket}/s/", settle=60)
+    (root / "writing.bin").write_bytes(b"w" * 100)  # written just now: waits 60 s
+    for name in ("renamed.bin", "held.bin"):
+        (root / (name + ".tmp")).write_bytes(b"r" * 100)
+    time.sleep(0.05)  # past the kernel's timestamp tick: the rename's ctime is later than the last write
+    os.rename(root / "renamed.bin.tmp", root / "renamed.bin")
+    held = open(root / "held.bin.tmp", "r+b")  # noqa: SIM115 - held open for writing during the pass
+    try:
+        os.rename(root / "held.bin.tmp", root / "held.bin")
+        p = shipper.run_pass(spec, str(tmp_path))
+    finally:
+        held.close()
+    assert (p["ok"], p["files"], p["pending"]) == (True, 1, 2), p
+    assert set(objects(s3, bucket)) == {"s/renamed.bin"}
+    assert outputs_json(tmp_path)["lag_s"] == 0.0
+
+
+# --------------------------------------------------------------------------- signals, kills
+
+
+def _slow_shipper(s3: S3Endpoint, bucket: str, tmp_path: Path, procs: list[ShipperProc]) -> tuple[ShipperProc, Path]:
+    """A shipper with a 40 MiB file to send at 1 part at a time under a tiny CPU budget (slow on purpose),
+    once its multipart upload is open."""
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    root.mkdir()
+    run_dir.mkdir()
+    (root / "big.bin").write_bytes(os.urandom(40 * MIB))
+    age(root / "big.bin", 60)
+    sp = ShipperProc(run_dir, make_spec(s3, root, f"s3://{bucket}/k/", cpu=0.01, concurrency=1))
+    procs.append(sp)
+    c = s3.client()
+    deadline = time.monotonic() + 60
+    while not c.list_multipart_uploads(Bucket=bucket).get("Uploads"):
+        assert time.monotonic() < deadline, "no multipart upload opened in 60 s"
+        assert sp.proc.poll() is None, sp.finish()
+        time.sleep(0.05)
+    return sp, root
+
+
+def test_sigterm_aborts_the_upload_records_and_exits(s3: S3Endpoint, bucket: str, tmp_path: Path,
+                                                     procs: list[ShipperProc]) -> None:
+    sp, _ = _slow_shipper(s3, bucket, tmp_path, procs)
+    t0 = time.monotonic()
+    sp.proc.send_signal(signal.SIGTERM)
+    rc, out, err = sp.finish(timeout=60)
+    assert rc == 1, (out, err)
+    assert time.monotonic() - t0 < 30
+    c = s3.client()
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert c.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    doc = outputs_json(sp.run_dir)
+    assert doc["state"] == "failed" and "SIGTERM" in doc["errors"][-1]["error"]
+    assert doc["last_pass"]["ok"] is False
+    assert json.loads((tmp_path / "ckpt" / ".dfo" / "uploads.json").read_text())["uploads"] == []
+
+
+def test_a_killed_shippers_upload_is_aborted_by_the_next_pass(s3: S3Endpoint, bucket: str, tmp_path: Path,
+                                                               procs: list[ShipperProc]) -> None:
+    sp, root = _slow_shipper(s3, bucket, tmp_path, procs)
+    sp.proc.kill()
+    sp.proc.wait()
+    c = s3.client()
+    assert len(c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1  # SIGKILL: nothing could abort it
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/k/"), str(sp.run_dir))
+    assert (p["ok"], p["files"]) == (True, 1), p
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert objects(s3, bucket)["k/big.bin"] == (root / "big.bin").read_bytes()
