@@ -39,19 +39,29 @@ NEED_UPLOAD = 97
 PY_MISSING = 127
 
 
-@lru_cache(maxsize=1)
-def bundle() -> tuple[str, bytes]:
-    """(hash, tar.gz bytes) of remote/*.py, data files and vendored licences, deterministic."""
-    files = sorted(
+def _bundle_files() -> list[Path]:
+    return sorted(
         p for p in REMOTE_ROOT.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
         and (p.suffix in {".py", ".json", ".txt"} or p.name.startswith("LICENSE"))
     )
+
+
+@lru_cache(maxsize=1)
+def bundle_digest() -> str:
+    """The bundle's hash alone (no tar.gz made: that costs ~50 ms, needed only to upload)."""
     h = hashlib.sha256()
-    for p in files:
+    for p in _bundle_files():
         rel = p.relative_to(REMOTE_ROOT.parent).as_posix()
         h.update(rel.encode() + b"\0" + p.read_bytes() + b"\0")
-    digest = h.hexdigest()[:16]
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def bundle() -> tuple[str, bytes]:
+    """(hash, tar.gz bytes) of remote/*.py, data files and vendored licences, deterministic."""
+    files = _bundle_files()
+    digest = bundle_digest()
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for p in files:
@@ -79,14 +89,16 @@ def upload_agent(conn: Connection) -> None:
                                  hint="is $HOME writable and tar installed on the node?")
 
 
-def module_command(module: str, python: str, env: dict[str, str] | None = None, args: list[str] | None = None) -> str:
-    digest, _ = bundle()
+def module_command(module: str, python: str, env: dict[str, str] | None = None, args: list[str] | None = None,
+                   flags: str = "") -> str:
+    """``flags``: python's own options, before -m (``-S``: a module that needs no site-packages)."""
+    digest = bundle_digest()
     envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
     argv = " ".join(shlex.quote(a) for a in (args or []))
     return (
         f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
         f'command -v {shlex.quote(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
-        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} exec {shlex.quote(python)} -m {module} {argv}'
+        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} exec {shlex.quote(python)} {flags} -m {module} {argv}'
     )
 
 

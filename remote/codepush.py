@@ -1,6 +1,6 @@
 """The node side of ``dfo sync-code`` (python3 3.8+, stdlib only).
 
-Two operations, each one SSH command; the request is the first line of stdin (JSON):
+Three operations, each one SSH command; the request is the first line of stdin (JSON):
 
 * ``state``: the node's code manifest (DEST/.dfo/code-manifest.json), its digest, and which of
   its files are no longer as dfo left them (size, mtime or inode changed, gone, a symlink
@@ -10,6 +10,10 @@ Two operations, each one SSH command; the request is the first line of stdin (JS
   written under DEST/.dfo/code-tmp/, its sha256 checked against the request, given its mode, then
   renamed into place; a symlink is made under a temp name and renamed too. The manifest is written
   last, atomically (remote.fsutil.write_atomic).
+* ``sync``: ``push`` of what the controller believes changed since its last push, then ``state``'s
+  check against ``want`` (the digest of the controller's tree), in the same command: a push with
+  nothing changed, or one file changed, is one command. Only on a mismatch (the node is not as the
+  controller last left it) does the answer carry the manifest, and the controller sends the rest.
 
 Safety: every folder under DEST is opened relative to its parent with O_NOFOLLOW (remote.s3dest.Tree),
 so a symlink inside DEST is never followed. A path with an empty, ``.`` or ``..`` component, or a
@@ -239,7 +243,7 @@ def _delete(tree, files, rels):
     return deleted, kept
 
 
-def op_push(req, stream):
+def op_push(req, stream, want=None):
     started = time.time()
     d = Dest(req["dest"], create=True)
     tree = d.tree
@@ -289,11 +293,40 @@ def op_push(req, stream):
         finally:
             os.close(tmp_fd)
         digest = _save_manifest(d.meta_fd, files)
-        return {"dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
+        match = bool(files) and digest == want and _all_intact(d, files)
+        return {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
                 "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
                 "seconds": round(time.time() - started, 3)}
     finally:
         d.close()
+
+
+def _all_intact(d, files):
+    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items())
+
+
+def op_sync(req, stream):
+    """``push`` (when the request carries files or deletions), then the check of ``state``, in one
+    command: the controller sends what it believes changed since its last push, with ``want``, the
+    digest of its whole tree. ``match`` is true when the node's manifest then has digest ``want``
+    and every file is still as dfo left it; otherwise the answer carries ``state``'s files and
+    dirty list, and the controller sends the rest. Nothing is written when nothing was sent."""
+    want = req.get("want")
+    if req.get("files") or req.get("delete"):
+        out = op_push(req, stream, want)
+    else:
+        d = Dest(req["dest"], create=False)
+        try:
+            files, digest = _load_manifest(d.meta_fd)
+            match = bool(files) and digest == want and _all_intact(d, files)
+            out = {"dest": d.real, "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [],
+                   "digest": digest, "count": len(files), "match": match}
+        finally:
+            d.close()
+    if not out["match"]:
+        st = op_state(req)
+        out["files"], out["dirty"] = st["files"], st["dirty"]
+    return out
 
 
 def main():
@@ -306,6 +339,8 @@ def main():
             data = op_state(req)
         elif op == "push":
             data = op_push(req, stream)
+        elif op == "sync":
+            data = op_sync(req, stream)
         else:
             raise RemoteError("usage", "codepush: unknown op %r" % (op,))
         emit_result({"ok": True, "data": data})

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,95 @@ def test_launch_leaves_a_live_runs_code_alone(env: Env) -> None:
         assert env.sh(f"cat {env.dest}/train.py") == "import time\ntime.sleep(60)\n"  # the live run's code, untouched
     finally:
         dfo(env.inv, "stop", "-H", env.node.name, run)
+
+
+# --------------------------------------------------------------------------- speed: commands per push (issue 12)
+
+
+class Counted:
+    """A real connection to the testbed node whose commands are recorded."""
+
+    def __init__(self, env: Env) -> None:
+        from orchestrator.hosts import HostSession
+
+        self.session = HostSession(env.inv, (env.node.name,))
+        self.conn = self.session.conn(env.node.name)
+        self.commands: list[str] = []
+        real = self.conn.run
+
+        def run(cmd: str, **kw: Any) -> Any:
+            self.commands.append(cmd)
+            return real(cmd, **kw)
+
+        self.conn.run = run  # type: ignore[method-assign]
+
+    def push(self, job: Path) -> Any:
+        from orchestrator.config import load_job
+        from orchestrator.steps.code import push_code
+
+        self.commands.clear()
+        return push_code(self.conn, load_job(job), warn=lambda _t: None, note=lambda _t: None)
+
+
+def test_a_push_from_here_again_is_one_command(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(env.tmp / "cache"))
+    for i in range(20):
+        (env.src / f"m{i}.py").write_text(f"x = {i}\n")
+    job = env.job()
+    c = Counted(env)
+    try:
+        first = c.push(job)
+        assert (first.status, first.fetched) == ("done", 20)  # the node's manifest, then the files (and the agent)
+        ran = [cmd for cmd in c.commands if "remote.codepush" in cmd]
+        assert ran and all(" -S -m remote.codepush" in cmd for cmd in ran), ran  # no site-packages on the node
+        none = c.push(job)
+        assert (none.status, none.fetched, len(c.commands)) == ("no change", 0, 1)
+        (env.src / "m3.py").write_text("x = 'three'\n")
+        (env.src / "m4.py").unlink()
+        one = c.push(job)
+        assert (one.status, one.fetched, one.deleted, len(c.commands)) == ("done", 1, 1, 1)
+        assert env.sh(f"cat {env.dest}/m3.py") == "x = 'three'\n" and "m4.py" not in env.node_files()
+        # changed on the node by hand: the one command finds it, a second sends it back
+        env.sh(f"echo tampered > {env.dest}/m5.py")
+        fixed = c.push(job)
+        assert (fixed.status, fixed.fetched, len(c.commands)) == ("done", 1, 2)
+        assert env.sh(f"cat {env.dest}/m5.py") == "x = 5\n"
+    finally:
+        c.session.close()
+
+
+def test_what_this_machine_remembers_is_only_a_guess(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node lost its code (a fresh node under the same name, a wiped dest) after a push from here:
+    the next push sends what it believes changed, the node says it does not match, and the rest follows."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(env.tmp / "cache"))
+    for i in range(12):
+        (env.src / f"pkg/m{i}.py").parent.mkdir(exist_ok=True)
+        (env.src / f"pkg/m{i}.py").write_text(f"x = {i}\n")
+    (env.src / "run.sh").write_text("#!/bin/sh\n")
+    (env.src / "run.sh").chmod(0o755)
+    job = env.job()
+    c = Counted(env)
+    try:
+        c.push(job)
+        env.sh(f"rm -rf {env.dest}")
+        none = c.push(job)  # nothing changed here: the check alone finds the node empty
+        assert (none.status, none.fetched, len(c.commands)) == ("done", 13, 2)
+        env.sh(f"rm -rf {env.dest}")
+        (env.src / "pkg/m1.py").write_text("x = 'one'\n")
+        one = c.push(job)
+        assert (one.status, one.fetched, len(c.commands)) == ("done", 13, 2)
+        assert env.node_files() == sorted([*(f"pkg/m{i}.py" for i in range(12)), "run.sh"])
+        assert env.sh(f"cat {env.dest}/pkg/m1.py; stat -c %a {env.dest}/run.sh") == "x = 'one'\n755\n"
+        again = c.push(job)
+        assert (again.status, len(c.commands)) == ("no change", 1)
+    finally:
+        c.session.close()
+
+
+def test_sync_code_imports_the_ssh_layer_only_when_it_connects() -> None:
+    """The command's module loads without paramiko/fabric, so the files here are listed (a thread)
+    while they are imported; and naming the agent's bundle does not build its tar.gz (~50 ms)."""
+    probe = ("import sys, orchestrator.commands.code; print(sorted({'paramiko', 'fabric'} & set(sys.modules))); "
+             "import orchestrator.agent as a; a.module_command('m', 'python3'); print(a.bundle.cache_info().currsize)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["[]", "0"], r.stdout + r.stderr

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -11,9 +11,11 @@ from remote.fsutil import human_bytes
 
 from ..cli_common import console, emit, err_console, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
-from ..connection import Connection
-from ..steps.code import CodeReport, push_code, resolve
+from ..steps.code import CodeReport, push_code, start_local
 from .report_view import print_moved, print_names
+
+if TYPE_CHECKING:
+    from ..connection import Connection
 
 _OUT = threading.Lock()
 
@@ -53,10 +55,12 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
     3 a check failed on the node; 4 the node could not be reached.
     """
     loaded = load_job(job_path)
-    resolve(loaded)  # a bad code: section is exit 2 before any host is touched
+    # a bad code: section is exit 2 before any host is touched; the files here are listed and
+    # hashed in a thread while the SSH layer is imported and the hosts connect
+    local = start_local(loaded)
     with session(ctx, hosts) as s:
         def one(conn: Connection) -> CodeReport:
-            return push_code(conn, loaded, warn=warn_for(conn.name), note=lambda _t: None)
+            return push_code(conn, loaded, warn=warn_for(conn.name), note=lambda _t: None, local=local)
 
         outcomes = s.each(one)
     return emit(outcomes, as_json, lambda r: r.to_json(), render)

@@ -1,13 +1,19 @@
 """sync-code on the controller: push the job's code folder to the node, only what changed.
 
 1. List the code (orchestrator.steps.codetree: what git would commit, less code.exclude) and hash
-   it (sha256, cached locally by size, mtime and inode).
-2. Meanwhile (a thread) one round trip (``remote.codepush`` op ``state``) asks the node for its
-   manifest; when the node's tree already matches (same digest, every file as dfo left it) that
-   is the end: ``no change``.
-3. One more command (op ``push``) carries the deletions and the changed files' bytes as one
-   stream on its stdin; the node checks each file's sha256, renames it into place and records
-   its manifest. No round trip per file.
+   it (sha256, cached locally by size, mtime and inode). ``start_local`` does it in a thread, so
+   that ``dfo sync-code`` lists while it imports the SSH layer and connects.
+2. When this machine pushed to that node and dest before, it knows the manifest it left there
+   (codetree.load_pushed): ONE command (``remote.codepush`` op ``sync``) carries the files changed
+   since, the deletions, and ``want``, the digest of the whole tree here. The node applies them
+   (each file's sha256 checked, renamed into place), then checks that its manifest has digest
+   ``want`` and that every file is still as dfo left it (stat only). Nothing changed: nothing
+   sent, the check alone, ``no change``.
+3. Otherwise (first push from here, or the node is not as this machine left it): the node's
+   manifest (op ``state``, asked while the files here are listed), then ``sync`` with the
+   difference. A ``sync`` that does not match answers with the manifest, and the rest follows in
+   one more ``sync``. No round trip per file; what is known here is only a guess of what to send,
+   never a reason to skip the node's check.
 
 ``push_code(conn, loaded)`` is the step that ``launch`` (and so ``up``) runs first for a job
 with ``code:``.
@@ -22,19 +28,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import Field
 
+from remote.codepush import digest_of
 from remote.fsutil import human_bytes
 
-from ..agent import NEED_UPLOAD, module_command, parse_output, upload_agent
 from ..cli_common import clean
 from ..config import LoadedJob, RunConfig
-from ..connection import Connection
 from ..errors import ConfigError
-from .codetree import fill_hashes, list_code, manifest_view, warnings
+from .codetree import LocalFile, fill_hashes, list_code, load_pushed, manifest_view, save_pushed, warnings
 from .report import MoveReport
+
+if TYPE_CHECKING:
+    from ..connection import Connection
 
 MODULE = "remote.codepush"
 PUSH_TIMEOUT_S = 24 * 3600.0
@@ -72,8 +80,43 @@ def resolve(loaded: LoadedJob) -> tuple[Path, str, list[str]]:
     return source, dest, list(code.exclude)
 
 
+class Local:
+    """The code here, listed and hashed in a thread (``start_local``); ``result()`` waits for it."""
+
+    def __init__(self, loaded: LoadedJob) -> None:
+        self.source, self.dest, self.exclude = resolve(loaded)
+        self.files: dict[str, LocalFile] = {}
+        self.in_git = False
+        self.digest = ""
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="code-local", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.files, self.in_git = list_code(self.source, self.exclude)
+            fill_hashes(self.source, self.files)
+            self.digest = digest_of(manifest_view(self.files))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), in the caller's thread
+            self._error = exc
+
+    def result(self) -> Local:
+        while self._thread.is_alive():
+            self._thread.join(0.25)  # in slices: Ctrl-C reaches the main thread at once
+        if self._error is not None:
+            raise self._error
+        return self
+
+
+def start_local(loaded: LoadedJob) -> Local:
+    return Local(loaded)
+
+
 def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
-    cmd = module_command(MODULE, conn.host.python)
+    from ..agent import NEED_UPLOAD, module_command, parse_output, upload_agent
+
+    # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
+    cmd = module_command(MODULE, conn.host.python, flags="-S")
     buf = bytearray(json.dumps(header).encode("utf-8", "surrogateescape") + b"\n")
     buf += payload
     # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
@@ -96,75 +139,100 @@ def _stderr(host: str) -> Callable[[str], None]:
     return say
 
 
-def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
-              note: Callable[[str], None] | None = None) -> CodeReport:
-    """Push the job's code to the node; only changed files travel. Raises the DfoError of a failure.
+def node_key(conn: Connection, dest: str) -> str:
+    """Names the node and dest for the cache of what the last push left there."""
+    h = conn.host
+    return f"{h.user}@{h.hostname}:{h.port}\0{conn.name}\0{dest}"
 
-    ``warn`` gets the warnings (big files, big trees) before anything travels; ``note`` a line
-    saying what was pushed, when anything was. Both default to lines on stderr (launch, up)."""
-    warn = warn or _stderr(conn.name)
-    note = note or _stderr(conn.name)
-    t0 = time.monotonic()
-    source, dest, exclude = resolve(loaded)
-    asked: dict[str, Any] = {}
 
-    def ask() -> None:  # the node's manifest, while the files here are listed and hashed
-        try:
-            asked["state"] = _call(conn, {"op": "state", "dest": dest})
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            asked["error"] = exc
-
-    th = threading.Thread(target=ask, name=f"code-state-{conn.name}", daemon=True)
-    th.start()
-    try:
-        files, in_git = list_code(source, exclude)
-        fill_hashes(source, files)
-    finally:
-        th.join()
-    if "error" in asked:
-        raise asked["error"]
-    state = asked["state"]
-    local = manifest_view(files)
-    from remote.codepush import digest_of
-
-    total_bytes = sum(f.size for f in files.values())
-
-    def report(status: str, sent: int = 0, nbytes: int = 0, deleted: int = 0, kept: list[str] | None = None,
-               real: str = dest, notes: list[str] | None = None) -> CodeReport:
-        secs = time.monotonic() - t0
-        return CodeReport(host=conn.name, what="code", status=status, source=str(source), dest=real,
-                          fetched=sent, skipped=len(files) - sent, deleted=deleted, bytes=nbytes,
-                          seconds=round(secs, 3), mb_per_s=round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0,
-                          files_total=len(files), bytes_total=total_bytes, kept=len(kept or []),
-                          kept_files=kept or [], warnings=notes or [], in_git=in_git)
-
-    dirty = set(state.get("dirty") or [])
-    if not dirty and files and state.get("digest") == digest_of(local):
-        return report("no change", real=state["dest"])
-    node = state.get("files") or {}
-    to_send = sorted(rel for rel, e in local.items()
-                     if rel in dirty or node.get(rel) != [e["sha256"], e["mode"], e["link"]])
-    to_delete = sorted(rel for rel in node if rel not in local)
-    if not to_send and not to_delete:
-        return report("no change", real=state["dest"])
-    notes = warnings(source, files, to_send)
-    for n in notes:
-        warn("warning: " + n)
+def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], bytes]:
     entries, chunks = [], []
     for rel in to_send:
-        f = files[rel]
+        f = local.files[rel]
         if f.link is not None:
             entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
             continue
-        data = (source / rel).read_bytes()
+        data = (local.source / rel).read_bytes()
         sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
         entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
         chunks.append(data)
-    done = _call(conn, {"op": "push", "dest": dest, "files": entries, "delete": to_delete}, b"".join(chunks),
-                 timeout=PUSH_TIMEOUT_S)
-    status = "done" if done["sent"] or done["deleted"] else "no change"
+    return entries, b"".join(chunks)
+
+
+def _diff(view: dict[str, dict[str, object]], node: dict[str, Any], dirty: set[str]) -> tuple[list[str], list[str]]:
+    to_send = sorted(rel for rel, e in view.items()
+                     if rel in dirty or node.get(rel) != [e["sha256"], e["mode"], e["link"]])
+    return to_send, sorted(rel for rel in node if rel not in view)
+
+
+def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
+              note: Callable[[str], None] | None = None, local: Local | None = None) -> CodeReport:
+    """Push the job's code to the node; only changed files travel. Raises the DfoError of a failure.
+
+    ``warn`` gets the warnings (big files, big trees) before anything travels; ``note`` a line
+    saying what was pushed, when anything was. Both default to lines on stderr (launch, up).
+    ``local``: the code here, from ``start_local`` (started early); else it is listed now."""
+    warn = warn or _stderr(conn.name)
+    note = note or _stderr(conn.name)
+    t0 = time.monotonic()
+    if local is None:
+        local = start_local(loaded)
+    dest = local.dest
+    key = node_key(conn, dest)
+    known = load_pushed(key)
+    state: dict[str, Any] | None = None
+    if known is None:  # nothing known of the node: its manifest, asked while the files here are listed
+        state = _call(conn, {"op": "state", "dest": dest})
+    local.result()
+    files = local.files
+    view = manifest_view(files)
+    total_bytes = sum(f.size for f in files.values())
+    sent = nbytes = deleted = kept_n = 0
+    kept: list[str] = []
+    notes: list[str] = []
+    warned: set[str] = set()
+    real = dest
+
+    def report(status: str) -> CodeReport:
+        secs = time.monotonic() - t0
+        return CodeReport(host=conn.name, what="code", status=status, source=str(local.source), dest=real,
+                          fetched=sent, skipped=len(files) - sent, deleted=deleted, bytes=nbytes,
+                          seconds=round(secs, 3), mb_per_s=round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0,
+                          files_total=len(files), bytes_total=total_bytes, kept=kept_n,
+                          kept_files=sorted(kept)[:10], warnings=notes, in_git=local.in_git)
+
+    if state is not None:
+        real = state["dest"]
+        dirty = set(state.get("dirty") or [])
+        if not dirty and files and state.get("digest") == local.digest:
+            save_pushed(key, local.digest, files)
+            return report("no change")
+        to_send, to_delete = _diff(view, state.get("files") or {}, dirty)
+        if not to_send and not to_delete:
+            return report("no change")
+    else:
+        to_send, to_delete = _diff(view, known[1] if known else {}, set())
+    for attempt in range(2):
+        new = [n for n in warnings(local.source, files, [r for r in to_send if r not in warned]) if n not in notes]
+        for n in new:
+            warn("warning: " + n)
+        notes += new
+        warned.update(to_send)
+        entries, payload = _stream(local, to_send)
+        done = _call(conn, {"op": "sync", "dest": dest, "want": local.digest, "files": entries, "delete": to_delete},
+                     payload, timeout=PUSH_TIMEOUT_S)
+        real = done["dest"]
+        sent, nbytes, deleted = sent + done["sent"], nbytes + done["bytes"], deleted + done["deleted"]
+        kept += done.get("kept_files") or []
+        kept_n += done.get("kept") or 0
+        if done.get("match"):
+            if not known or known[0] != local.digest:
+                save_pushed(key, local.digest, files)
+            break
+        to_send, to_delete = _diff(view, done.get("files") or {}, set(done.get("dirty") or []))
+        if attempt or (not to_send and not to_delete):
+            break  # the node changed under this push (another push into the same dest): reported as it went
+    status = "done" if sent or deleted else "no change"
     if status == "done":
-        note(f"code: sent {done['sent']} files ({human_bytes(done['bytes'])}), deleted {done['deleted']}, "
-             f"to {done['dest']}")
-    return report(status, done["sent"], done["bytes"], done["deleted"], done.get("kept_files") or [],
-                  real=done["dest"], notes=notes)
+        note(f"code: sent {sent} files ({human_bytes(nbytes)}), deleted {deleted}, to {real}")
+    return report(status)

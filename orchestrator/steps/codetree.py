@@ -8,7 +8,8 @@ and any name starting with ``.dfo``). Outside git, .gitignore files are not read
 a partial emulation would differ in corners); list such names in ``code.exclude``.
 
 Hashes (sha256) are cached by (size, mtime_ns, inode) in ~/.cache/dfo/code/, so a push with
-nothing changed reads no file content.
+nothing changed reads no file content. Beside them, per node and dest, the manifest the last push
+left there (``load_pushed``): what the next push sends without asking first.
 """
 
 from __future__ import annotations
@@ -243,6 +244,36 @@ def fill_hashes(source: Path, files: dict[str, LocalFile]) -> None:
 
 def manifest_view(files: dict[str, LocalFile]) -> dict[str, dict[str, object]]:
     return {rel: {"sha256": f.sha256, "mode": f.mode, "link": f.link} for rel, f in files.items()}
+
+
+# --------------------------------------------------------------------------- what the node held after the last push
+
+
+def _pushed_path(node: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
+    return base / ("node-" + hashlib.sha256(node.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
+
+
+def load_pushed(node: str) -> tuple[str, dict[str, list[object]]] | None:
+    """(digest, path -> [sha256, mode, link]) of the node's manifest as the last push from here left it,
+    or None. Only a guess of what to send: the node checks the result against the digest wanted."""
+    try:
+        doc = json.loads(_pushed_path(node).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("node") != node or not isinstance(doc.get("files"), dict):
+        return None
+    return str(doc.get("digest")), doc["files"]
+
+
+def save_pushed(node: str, digest: str, files: dict[str, LocalFile]) -> None:
+    doc = {"node": node, "digest": digest, "files": {rel: [f.sha256, f.mode, f.link] for rel, f in files.items()}}
+    try:
+        p = _pushed_path(node)
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(str(p), json.dumps(doc).encode("utf-8", "surrogateescape"))
+    except OSError:
+        pass  # a cache that cannot be written only costs a round trip
 
 
 # --------------------------------------------------------------------------- warnings
