@@ -107,26 +107,33 @@ def _same_stat(real, rel, entry):
     """``_intact`` by path, for the state report only: it reads metadata and changes nothing (a folder
     swapped for a symlink shows another inode, so its files count as changed and are sent again,
     through the O_NOFOLLOW walk)."""
+    return _row_intact(real, rel, [entry.get(k) for k in FIELDS])
+
+
+def _row_intact(real, rel, row):
+    """``_same_stat`` on a manifest row as stored (FIELDS order), with no dict made per file."""
+    if not isinstance(row, list) or len(row) != len(FIELDS):
+        return False
     path = real + "/" + rel
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    if st.st_ino != entry.get("ino") or st.st_mtime_ns != entry.get("mtime_ns"):
+    if st.st_ino != row[5] or st.st_mtime_ns != row[4]:
         return False
-    if entry.get("link") is not None:
+    if row[2] is not None:
         try:
-            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == entry["link"]
+            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == row[2]
         except OSError:
             return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
+    return stat.S_ISREG(st.st_mode) and st.st_size == row[3]
 
 
 FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list
 
 
-def _load_manifest(meta_fd):
-    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them)."""
+def _load_rows(meta_fd):
+    """(path -> [sha256, mode, link, size, mtime_ns, ino] as stored, the digest recorded with them)."""
     if meta_fd is None:
         return {}, None
     try:
@@ -141,7 +148,13 @@ def _load_manifest(meta_fd):
     files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 2 else None
     if not isinstance(files, dict):
         return {}, None
-    return {rel: dict(zip(FIELDS, row)) for rel, row in files.items()}, doc.get("digest")
+    return files, doc.get("digest")
+
+
+def _load_manifest(meta_fd):
+    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them)."""
+    rows, digest = _load_rows(meta_fd)
+    return {rel: dict(zip(FIELDS, row)) for rel, row in rows.items()}, digest
 
 
 def _save_manifest(meta_fd, files):
@@ -316,11 +329,12 @@ def op_sync(req, stream):
         out = op_push(req, stream, want)
     else:
         d = Dest(req["dest"], create=False)
-        try:
-            files, digest = _load_manifest(d.meta_fd)
-            match = bool(files) and digest == want and _all_intact(d, files)
+        try:  # the common case, nothing changed: the stored rows checked as they are
+            rows, digest = _load_rows(d.meta_fd)
+            match = (bool(rows) and digest == want and d.tree is not None
+                     and all(_row_intact(d.real, rel, row) for rel, row in rows.items()))
             out = {"dest": d.real, "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [],
-                   "digest": digest, "count": len(files), "match": match}
+                   "digest": digest, "count": len(rows), "match": match}
         finally:
             d.close()
     if not out["match"]:

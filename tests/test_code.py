@@ -333,3 +333,18 @@ def test_sync_code_imports_the_ssh_layer_only_when_it_connects() -> None:
              "import orchestrator.agent as a; a.module_command('m', 'python3'); print(a.bundle.cache_info().currsize)")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["[]", "0"], r.stdout + r.stderr
+
+
+def test_the_pushed_cache_is_per_node_and_read_in_halves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.steps.codetree import LocalFile, Pushed
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    p = Pushed("root@a:22\0a\0/root/code")
+    assert p.digest is None and p.files() is None
+    p.save("d1", {"x.py": LocalFile(1, 0o644, None, "s1")})
+    again = Pushed("root@a:22\0a\0/root/code")
+    assert again.digest == "d1" and again.files() == {"x.py": ["s1", 0o644, None]}
+    assert Pushed("root@a:22\0a\0/root/other").digest is None  # another dest, another node: nothing known
+    lines = again.path.read_bytes().split(b"\n")
+    again.path.write_bytes(lines[0] + b"\n{broken\n")  # the second half unreadable: not a guess of 'nothing'
+    assert Pushed("root@a:22\0a\0/root/code").files() is None

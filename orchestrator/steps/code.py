@@ -4,7 +4,7 @@
    it (sha256, cached locally by size, mtime and inode). ``start_local`` does it in a thread, so
    that ``dfo sync-code`` lists while it imports the SSH layer and connects.
 2. When this machine pushed to that node and dest before, it knows the manifest it left there
-   (codetree.load_pushed): ONE command (``remote.codepush`` op ``sync``) carries the files changed
+   (codetree.Pushed): ONE command (``remote.codepush`` op ``sync``) carries the files changed
    since, the deletions, and ``want``, the digest of the whole tree here. The node applies them
    (each file's sha256 checked, renamed into place), then checks that its manifest has digest
    ``want`` and that every file is still as dfo left it (stat only). Nothing changed: nothing
@@ -38,7 +38,7 @@ from remote.fsutil import human_bytes
 from ..cli_common import clean
 from ..config import LoadedJob, RunConfig
 from ..errors import ConfigError
-from .codetree import LocalFile, fill_hashes, list_code, load_pushed, manifest_view, save_pushed, warnings
+from .codetree import LocalFile, Pushed, fill_hashes, list_code, manifest_view, warnings
 from .report import MoveReport
 
 if TYPE_CHECKING:
@@ -178,14 +178,18 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
     if local is None:
         local = start_local(loaded)
     dest = local.dest
-    key = node_key(conn, dest)
-    known = load_pushed(key)
+    known = Pushed(node_key(conn, dest))
     state: dict[str, Any] | None = None
-    if known is None:  # nothing known of the node: its manifest, asked while the files here are listed
+    if known.digest is None:  # nothing known of the node: its manifest, asked while the files here are listed
         state = _call(conn, {"op": "state", "dest": dest})
     local.result()
     files = local.files
     view = manifest_view(files)
+    base: dict[str, Any] | None = None
+    if state is None and known.digest != local.digest:  # changed here since the last push: what, exactly
+        base = known.files()
+        if base is None:  # the cache went away meanwhile
+            state = _call(conn, {"op": "state", "dest": dest})
     total_bytes = sum(f.size for f in files.values())
     sent = nbytes = deleted = kept_n = 0
     kept: list[str] = []
@@ -205,13 +209,15 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         real = state["dest"]
         dirty = set(state.get("dirty") or [])
         if not dirty and files and state.get("digest") == local.digest:
-            save_pushed(key, local.digest, files)
+            known.save(local.digest, files)
             return report("no change")
         to_send, to_delete = _diff(view, state.get("files") or {}, dirty)
         if not to_send and not to_delete:
             return report("no change")
-    else:
-        to_send, to_delete = _diff(view, known[1] if known else {}, set())
+    elif base is not None:
+        to_send, to_delete = _diff(view, base, set())
+    else:  # nothing changed here since the last push: the node's check alone
+        to_send, to_delete = [], []
     for attempt in range(2):
         new = [n for n in warnings(local.source, files, [r for r in to_send if r not in warned]) if n not in notes]
         for n in new:
@@ -226,8 +232,7 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         kept += done.get("kept_files") or []
         kept_n += done.get("kept") or 0
         if done.get("match"):
-            if not known or known[0] != local.digest:
-                save_pushed(key, local.digest, files)
+            known.save(local.digest, files)
             break
         to_send, to_delete = _diff(view, done.get("files") or {}, set(done.get("dirty") or []))
         if attempt or (not to_send and not to_delete):

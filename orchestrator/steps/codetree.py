@@ -9,7 +9,7 @@ a partial emulation would differ in corners); list such names in ``code.exclude`
 
 Hashes (sha256) are cached by (size, mtime_ns, inode) in ~/.cache/dfo/code/, so a push with
 nothing changed reads no file content. Beside them, per node and dest, the manifest the last push
-left there (``load_pushed``): what the next push sends without asking first.
+left there (``Pushed``): what the next push sends without asking first.
 """
 
 from __future__ import annotations
@@ -254,26 +254,43 @@ def _pushed_path(node: str) -> Path:
     return base / ("node-" + hashlib.sha256(node.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
 
 
-def load_pushed(node: str) -> tuple[str, dict[str, list[object]]] | None:
-    """(digest, path -> [sha256, mode, link]) of the node's manifest as the last push from here left it,
-    or None. Only a guess of what to send: the node checks the result against the digest wanted."""
-    try:
-        doc = json.loads(_pushed_path(node).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("node") != node or not isinstance(doc.get("files"), dict):
-        return None
-    return str(doc.get("digest")), doc["files"]
+class Pushed:
+    """The node's manifest as the last push from here left it: its digest (the file's first line,
+    read alone) and, only when needed, path -> [sha256, mode, link] (the second line). Only a
+    guess of what to send: the node checks the result against the digest wanted."""
 
+    def __init__(self, node: str) -> None:
+        self.node, self.path = node, _pushed_path(node)
+        self.digest: str | None = None
+        try:
+            with open(self.path, "rb") as f:
+                head = json.loads(f.readline())
+        except (OSError, ValueError):
+            return
+        if isinstance(head, dict) and head.get("node") == node and isinstance(head.get("digest"), str):
+            self.digest = head["digest"]
 
-def save_pushed(node: str, digest: str, files: dict[str, LocalFile]) -> None:
-    doc = {"node": node, "digest": digest, "files": {rel: [f.sha256, f.mode, f.link] for rel, f in files.items()}}
-    try:
-        p = _pushed_path(node)
-        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_atomic(str(p), json.dumps(doc).encode("utf-8", "surrogateescape"))
-    except OSError:
-        pass  # a cache that cannot be written only costs a round trip
+    def files(self) -> dict[str, list[object]] | None:
+        try:
+            with open(self.path, "rb") as f:
+                head = json.loads(f.readline())
+                files = json.loads(f.readline())
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(head, dict) and head.get("digest") == self.digest and isinstance(files, dict)
+        return files if ok else None
+
+    def save(self, digest: str, files: dict[str, LocalFile]) -> None:
+        if digest == self.digest:
+            return
+        head = json.dumps({"node": self.node, "digest": digest})
+        body = json.dumps({rel: [f.sha256, f.mode, f.link] for rel, f in files.items()})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_atomic(str(self.path), (head + "\n" + body + "\n").encode("utf-8", "surrogateescape"))
+            self.digest = digest
+        except OSError:
+            pass  # a cache that cannot be written only costs a round trip
 
 
 # --------------------------------------------------------------------------- warnings
