@@ -221,12 +221,15 @@ class Uploader:
     # ------------------------------------------------------------------ single PUT
     def _single(self, fd, item, st):
         key, size = item["key"], st.st_size
-        data = bytearray()
+        data = bytearray(size)
+        view = memoryview(data)
         off = 0
         while off < size:
             self.governor.throttle()
-            data += _read_at(fd, off, min(CHUNK, size - off))
-            off = len(data)
+            n = os.preadv(fd, [view[off:min(off + CHUNK, size)]], off)
+            if not n:
+                raise Changed("it shrank while it was read")
+            off += n
         self._check_same(fd, item["path"], st)
         md5 = hashlib.md5(data).digest()
         sha = hashlib.sha256(data).hexdigest()

@@ -99,7 +99,7 @@ class Shipper:
         self.dest = spec.get("dest")
         self.state = State(run_dir, spec)
         self.client = None
-        self.governor = CpuGovernor(float(spec.get("cpu") or 2.0), stop=self.stop)
+        self.governor = CpuGovernor(float(2.0 if spec.get("cpu") is None else spec["cpu"]), stop=self.stop)
 
     def _client(self):
         if self.client is None:

@@ -243,3 +243,22 @@ def test_the_governor_leaves_light_work_alone() -> None:
         f.work(0.05, 1)
     assert f.slept == 0
     assert CpuGovernor(0, cpu=lambda: 1e9, clock=lambda: 0.0, sleep=f.sleep).throttle() == 0.0  # 0: no limit
+
+
+@pytest.mark.testbed
+def test_the_governor_holds_a_real_upload_to_its_budget(ep: S3Endpoint, tmp_path: Path) -> None:
+    bucket = fresh_bucket(ep)
+    items = []
+    for i in range(4):
+        write(tmp_path / f"f{i}", 12 * MIB)
+        items.append(item(tmp_path / f"f{i}", f"g/f{i}"))
+    import time
+
+    gov = CpuGovernor(0.1)
+    up = Uploader(client_for(ep), bucket, concurrency=4, part_size=5 * MIB, threshold=8 * MIB, governor=gov)
+    cpu0, t0 = time.process_time(), time.monotonic()
+    res = up.upload(items)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+    assert all(r["ok"] for r in res), res
+    assert gov.slept > 0
+    assert cpu / wall < 0.25, (cpu, wall)  # budget 0.1 core: a window's overshoot at most
