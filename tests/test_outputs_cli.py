@@ -57,11 +57,11 @@ class OutEnv:
         (tmp / "writer.py").write_text(WRITER)
 
     def job(self, *, n: int = 2, wait: float = 0, code: int = 0, name: str | None = None,
-            dest: str | None = "s3://{bucket}/runs/{name}/", **outputs: Any) -> tuple[Path, str]:
+            dest: str | None = "s3://{bucket}/runs/{name}/", venv: str = "/usr", **outputs: Any) -> tuple[Path, str]:
         name = name or f"o-{secrets.token_hex(3)}"
         path = f"{self.base}/{{name}}"
         doc: dict[str, Any] = {
-            "name": name, "venv": "/usr",
+            "name": name, "venv": venv,
             "s3": {"endpoint_url": self.s3.url, "region": self.s3.region},
             "outputs": {"path": path, "every": 1, "settle": 0,
                         **({"dest": dest.format(bucket=self.bucket, name="{name}")} if dest else {}), **outputs},
@@ -219,17 +219,21 @@ def test_a_bad_outputs_field_is_exit_2_with_file_line(tmp_path: Path, field: str
 @on_testbed
 @needs_shipper
 def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> None:
-    job, name = oenv.job(n=3, wait=60, every=1)
+    job, name = oenv.job(n=3, wait=60, every=600)  # no pass on schedule in this test: --ship makes them
     launched = oenv.json("launch", "-H", oenv.node.name, "-j", str(job))
     run = launched["run"]
     prefix = f"runs/{name}/"
-    deadline = time.monotonic() + 60
-    doc: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        doc = oenv.json("outputs", "-H", oenv.node.name, run)
-        if doc["shipped"].get("files", 0) >= 3:
-            break
-        time.sleep(0.5)
+    path = f"{oenv.base}/{name}"
+    deadline = time.monotonic() + 30
+    while oenv.tb.node_exec(oenv.node, f"test -e {path}/ckpt-2.txt").returncode != 0:
+        assert time.monotonic() < deadline, "the trainer wrote no checkpoints"
+        time.sleep(0.2)
+    first = oenv.json("outputs", "-H", oenv.node.name, run, "--ship")
+    assert first["run"] == run and first["status"] in ("done", "no change") and first["ok"], first
+    assert {"ok", "status", "fetched", "skipped", "bytes", "seconds", "mb_per_s", "dest", "source", "files_total",
+            "bytes_total"} <= set(first)
+    assert first["dest"] == f"s3://{oenv.bucket}/{prefix}" and first["source"] == path
+    doc = oenv.json("outputs", "-H", oenv.node.name, run)
     assert doc["run"] == run and doc["state"] in ("idle", "shipping") and doc["shipped"]["files"] == 3, doc
     assert doc["dest"] == f"s3://{oenv.bucket}/{prefix}" and doc["passes"] >= 1 and doc["last_pass"]["ok"]
     assert sorted(oenv.keys(prefix)) == ["ckpt-0.txt", "ckpt-1.txt", "ckpt-2.txt"]
@@ -239,22 +243,21 @@ def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> N
     st = oenv.dfo("status", "-H", oenv.node.name)
     assert f"{run}: outputs: " in st.stdout and "shipped 3 files" in st.stdout, st.stdout
     # --ship: a new file goes now, in sync-data's report shape; nothing new is "no change"
-    path = f"{oenv.base}/{name}"
     oenv.sh(f"echo fresh > {path}/extra.txt")
     shipped = oenv.json("outputs", "-H", oenv.node.name, run, "--ship")
-    assert shipped["status"] == "done" and shipped["fetched"] == 1 and shipped["run"] == run, shipped
-    assert {"ok", "status", "fetched", "skipped", "bytes", "seconds", "mb_per_s", "dest", "source", "files_total",
-            "bytes_total"} <= set(shipped)
+    assert shipped["status"] == "done" and shipped["fetched"] == 1 and shipped["bytes"] == 6, shipped
     assert oenv.keys(prefix)["extra.txt"] == b"fresh\n"
     again = oenv.json("outputs", "-H", oenv.node.name, run, "--ship")
     assert again["status"] == "no change" and again["fetched"] == 0, again
     text = oenv.dfo("outputs", "-H", oenv.node.name, run, "--ship")
-    assert text.returncode == 0 and "no change" in text.stdout, text.stdout + text.stderr
+    assert text.returncode == 0 and f"no change: nothing new under {path}" in text.stdout, text.stdout + text.stderr
+    assert "4 files, 20.5 KiB shipped to" in text.stdout
     # the run ends: tail waits for the last pass and says how it went
     oenv.sh(f"touch {path}.go")
     tail = oenv.dfo("tail", "-H", oenv.node.name, run)
     assert tail.returncode == 0, tail.stdout + tail.stderr
-    assert f"outputs: last pass shipped" in tail.stderr and f"s3://{oenv.bucket}/{prefix}" in tail.stderr, tail.stderr
+    assert f"s3://{oenv.bucket}/{prefix}; 4 files (20.5 KiB) shipped in all" in tail.stderr, tail.stderr
+    assert "outputs: last pass shipped 0 files (0 B) to" in tail.stderr  # the final pass found nothing new
     final = oenv.json("outputs", "-H", oenv.node.name, run)
     assert final["state"] == "done" and final["final"]["ok"], final
 
@@ -262,11 +265,13 @@ def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> N
 @on_testbed
 @needs_shipper
 def test_tail_and_up_exit_3_when_the_run_succeeded_but_its_last_pass_failed(oenv: OutEnv) -> None:
-    job, name = oenv.job(n=1, dest=f"s3://nosuchbucket-{oenv.id}/runs/{{name}}/", restore=False)
+    job, name = oenv.job(n=1, dest=f"s3://nosuchbucket-{oenv.id}/runs/{{name}}/", restore=False,
+                         venv=f"{oenv.base}/venv")
     up = oenv.dfo("up", "-H", oenv.node.name, "-j", str(job), "--json", timeout=300)
     assert up.returncode == 3, up.stdout + up.stderr
     doc = json.loads(up.stdout)
     run = doc["hosts"][oenv.node.name]["run"]
+    assert run is not None, up.stdout + up.stderr
     assert run["state"] == "succeeded" and doc["exit_code"] == 3
     assert run["outputs"]["state"] == "failed" and run["outputs"]["final"]["ok"] is False, run
     assert "outputs: last pass FAILED" in up.stderr
@@ -307,8 +312,9 @@ def test_ship_report_and_final_line() -> None:
     assert (r.status, r.fetched, r.files_total) == ("done", 2, 6)
     r = ShipReport.of("h", "run1", {**p, "ok": False, "error": "AccessDenied"}, "/w", "s3://b/")
     assert (r.status, r.ok, r.error) == ("failed", False, "AccessDenied")
-    ok = final_line({"state": "done", "dest": "s3://b/", "final": {"ok": True, "files": 2, "bytes": 3 << 20}})
-    assert ok == ("outputs: last pass shipped 2 files (3.0 MiB) to s3://b/", False)
+    ok = final_line({"state": "done", "dest": "s3://b/", "final": {"ok": True, "files": 1, "bytes": 3 << 20},
+                     "shipped": {"files": 5, "bytes": 7 << 20}})
+    assert ok == ("outputs: last pass shipped 1 file (3.0 MiB) to s3://b/; 5 files (7.0 MiB) shipped in all", False)
     bad = final_line({"state": "failed", "final": {"ok": False, "error": "no such bucket"}})
     assert bad == ("outputs: last pass FAILED: no such bucket", True)
     assert final_line(None) is None

@@ -24,6 +24,7 @@ def render_outputs(host: str, r: OutputsReport) -> None:
     from remote.fsutil import human_bytes
 
     from ..cli_common import console, safe
+    from ..steps.outputs import files
 
     with _OUT:
         head = f"[bold]{safe(host)}[/]: run [bold]{safe(r.run)}[/] (job {safe(r.job or '?')}, {safe(r.run_state)})"
@@ -36,7 +37,7 @@ def render_outputs(host: str, r: OutputsReport) -> None:
             console.print(f"  {safe(r.path or '?')} -> {safe(r.dest or '?')}" + (f", every {r.every:g}s" if r.every else ""),
                           soft_wrap=True, highlight=False)
         lag = f"; lag {r.lag_s:.0f}s" if r.lag_s is not None else ""
-        console.print(f"  shipped {r.shipped.get('files', 0)} files ({human_bytes(r.shipped.get('bytes', 0))}) in "
+        console.print(f"  shipped {files(r.shipped.get('files', 0))} ({human_bytes(r.shipped.get('bytes', 0))}) in "
                       f"{r.passes} passes ({r.failed_passes} failed); {r.pending} pending{lag}", soft_wrap=True,
                       highlight=False)
         for label, p in (("last pass", r.last_pass), ("final pass", r.final)):
@@ -45,7 +46,7 @@ def render_outputs(host: str, r: OutputsReport) -> None:
             if p.get("ok", True) is False:
                 how = f"[red]FAILED[/]: {safe(p.get('error'))}"
             elif p.get("files"):
-                how = (f"shipped {p.get('files')} files ({human_bytes(p.get('bytes') or 0)}) in "
+                how = (f"shipped {files(p.get('files') or 0)} ({human_bytes(p.get('bytes') or 0)}) in "
                        f"{float(p.get('seconds') or 0):.1f}s = {float(p.get('mb_per_s') or 0):.1f} MB/s")
             else:
                 how = "no change"
@@ -61,7 +62,10 @@ def render_outputs(host: str, r: OutputsReport) -> None:
 
 
 def render_ship(host: str, r: ShipReport) -> None:
+    from remote.fsutil import human_bytes
+
     from ..cli_common import console, safe
+    from ..steps.outputs import files
     from .report_view import print_moved
 
     with _OUT:
@@ -69,12 +73,16 @@ def render_ship(host: str, r: ShipReport) -> None:
             console.print(f"{safe(host)}: outputs --ship: [red]FAILED[/] (run {safe(r.run)}): {safe(r.error)}",
                           soft_wrap=True, highlight=False)
             return
-        rate = f" = {r.mb_per_s:.1f} MB/s" if r.fetched else ""
-        print_moved(host, "outputs --ship", r, verb="shipped", detail=rate)
+        if r.status == "no change":
+            console.print(f"{safe(host)}: outputs --ship: [dim]no change[/]: nothing new under {safe(r.source)} "
+                          f"(run {safe(r.run)}: {files(r.files_total)}, {human_bytes(r.bytes_total)} shipped to "
+                          f"{safe(r.dest)} so far; {r.seconds:.2f}s)", soft_wrap=True, highlight=False)
+        else:
+            print_moved(host, "outputs --ship", r, verb="shipped", detail=f" = {r.mb_per_s:.1f} MB/s")
         for n, t in ((r.pending, "still being written (changed within outputs.settle): the next pass takes {them}"),
                      (r.changed_during, "changed while being sent: not completed, the next pass sends {them}")):
             if n:
-                console.print(f"  {n} file{'s' if n != 1 else ''} " + t.format(them="them" if n != 1 else "it"),
+                console.print(f"  {files(n)} " + t.format(them="them" if n != 1 else "it"),
                               soft_wrap=True, highlight=False)
 
 
@@ -139,7 +147,8 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
                              + ("" if loaded else " (or give -j JOB with outputs.dest to ship with it)"))
         p = steps.ship(conn, ws, info.id, loaded)
         return steps.ShipReport.of(conn.name, info.id, p, source=str(p.get("path") or o.get("path") or (spec or {}).get("path") or "?"),
-                                   dest=str(p.get("dest") or o.get("dest") or (spec or {}).get("dest") or "?"))
+                                   dest=str(p.get("dest") or o.get("dest") or (spec or {}).get("dest") or "?"),
+                                   before=o.get("shipped"))
 
     with sess:
         outcomes = sess.each(one)

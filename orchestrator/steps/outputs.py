@@ -25,6 +25,10 @@ from .report import MoveReport
 MODULE = "remote.runs"
 
 
+def files(n: int) -> str:
+    return f"{n} file{'s' if n != 1 else ''}"
+
+
 def expand(text: str, name: str, run_id: str) -> str:
     """``{name}`` and ``{run_id}`` filled in (the only placeholders outputs: knows; jobrules checks it)."""
     return text.replace("{name}", name).replace("{run_id}", run_id)
@@ -160,9 +164,9 @@ def restore_line(r: RestoreReport) -> str:
     if not r.files_total:
         return f"restore: nothing at {r.source}"
     if not r.fetched:
-        return (f"restore: {r.dest} already holds the {r.files_total} files ({human_bytes(r.bytes_total)}) "
+        return (f"restore: {r.dest} already holds the {files(r.files_total)} ({human_bytes(r.bytes_total)}) "
                 f"of {r.source}")
-    return f"restore: {r.fetched} files, {human_bytes(r.bytes)} from {r.source} into {r.dest} ({r.seconds:.1f}s)"
+    return f"restore: {files(r.fetched)}, {human_bytes(r.bytes)} from {r.source} into {r.dest} ({r.seconds:.1f}s)"
 
 
 # --------------------------------------------------------------------------- what was shipped
@@ -206,15 +210,19 @@ class ShipReport(MoveReport):
     error: str | None = None
 
     @classmethod
-    def of(cls, host: str, run: str, p: dict[str, Any], source: str, dest: str) -> ShipReport:
+    def of(cls, host: str, run: str, p: dict[str, Any], source: str, dest: str,
+           before: dict[str, int] | None = None) -> ShipReport:
+        """``before``: the run's shipped totals before this pass (files_total/bytes_total then count
+        what dest holds from this run, as sync-data's count what the destination holds)."""
         files, skipped = int(p.get("files") or 0), int(p.get("skipped") or 0)
+        before = before or {}
         ok = bool(p.get("ok", p.get("error") is None))
         status = "failed" if not ok else ("no change" if not files else "done")
         return cls(host=host, run=run, ok=ok, status=status, fetched=files, skipped=skipped,
                    bytes=int(p.get("bytes") or 0), seconds=float(p.get("seconds") or 0.0),
                    mb_per_s=float(p.get("mb_per_s") or 0.0), dest=dest, source=source,
-                   files_total=int(p.get("files_total") or files + skipped),
-                   bytes_total=int(p.get("bytes_total") or p.get("bytes") or 0), pending=int(p.get("pending") or 0),
+                   files_total=int(p.get("files_total") or (before.get("files") or 0) + files + skipped),
+                   bytes_total=int(p.get("bytes_total") or (before.get("bytes") or 0) + int(p.get("bytes") or 0)), pending=int(p.get("pending") or 0),
                    changed_during=int(p.get("changed_during") or 0), error=p.get("error"))
 
 
@@ -252,7 +260,7 @@ def summary_line(o: dict[str, Any] | None) -> str | None:
     if state == "starting":
         return "outputs: starting (no pass yet)"
     shipped = o.get("shipped") or {}
-    parts = [f"outputs: {state}", f"shipped {shipped.get('files', 0)} files ({human_bytes(shipped.get('bytes', 0))})"]
+    parts = [f"outputs: {state}", f"shipped {files(shipped.get('files', 0))} ({human_bytes(shipped.get('bytes', 0))})"]
     if o.get("dest"):
         parts[-1] += f" to {o['dest']}"
     last = o.get("final") or o.get("last_pass")
@@ -283,4 +291,6 @@ def final_line(o: dict[str, Any] | None) -> tuple[str, bool] | None:
         return f"outputs: last pass FAILED: {err}", True
     if o.get("state") != "done":
         return f"outputs: the last pass has not finished (state {o.get('state')}); see dfo outputs", False
-    return f"outputs: last pass shipped {p.get('files', 0)} files ({human_bytes(p.get('bytes', 0))}) to {dest}", False
+    total = o.get("shipped") or {}
+    return (f"outputs: last pass shipped {files(p.get('files', 0))} ({human_bytes(p.get('bytes', 0))}) to {dest}; "
+            f"{files(total.get('files', 0))} ({human_bytes(total.get('bytes', 0))}) shipped in all"), False
