@@ -33,6 +33,14 @@ def warn_for(host: str) -> Any:
     return warn
 
 
+def _warm_printer(local: Any) -> None:
+    try:
+        local.result()
+        from ..console import DfoConsole  # noqa: F401 - imported for its import's sake
+    except BaseException:  # noqa: BLE001 - the main thread reports (and imports again) on its own
+        pass
+
+
 @click.command("sync-code")
 @hosts_option
 @job_option()
@@ -58,6 +66,8 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
     # a bad code: section is exit 2 before any host is touched; the files here are listed and
     # hashed in a thread while the SSH layer is imported and the hosts connect
     local = start_local(loaded)
+    if not as_json:  # the report's printer (rich), imported while this waits on the network
+        threading.Thread(target=_warm_printer, args=(local,), daemon=True).start()
     with session(ctx, hosts) as s:
         def one(conn: Connection) -> CodeReport:
             return push_code(conn, loaded, warn=warn_for(conn.name), note=lambda _t: None, local=local)
