@@ -127,6 +127,18 @@ def report_error(err: DfoError) -> None:
         traceback.print_exception(err.__cause__)
 
 
+def print_outcome(o: Outcome[Any], render: Callable[[str, Any], None]) -> None:
+    """One host's human result: its error (stderr), or ``render(host, value)``."""
+    if o.error is not None:
+        report_error(o.error)
+    else:
+        render(o.host, o.value)
+
+
+def hosts_json(outcomes: list[Outcome[Any]], to_json: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    return {"hosts": {o.host: (error_json(o.error) if o.error else to_json(o.value)) for o in outcomes}}
+
+
 def emit(
     outcomes: list[Outcome[Any]],
     as_json: bool,
@@ -135,12 +147,24 @@ def emit(
 ) -> int:
     """Print per-host results (JSON contract or human) and return the exit code."""
     if as_json:
-        doc = {"hosts": {o.host: (error_json(o.error) if o.error else to_json(o.value)) for o in outcomes}}
-        print_json(doc)
+        print_json(hosts_json(outcomes, to_json))
     else:
         for o in outcomes:
-            if o.error is not None:
-                report_error(o.error)
-            else:
-                render(o.host, o.value)
+            print_outcome(o, render)
+    return exit_code_of(outcomes)
+
+
+def each_and_emit(
+    s: HostSession,
+    fn: Callable[[Any], Any],
+    as_json: bool,
+    to_json: Callable[[Any], dict[str, Any]],
+    render: Callable[[str, Any], None],
+) -> int:
+    """Run ``fn(conn)`` on every host of ``s`` in parallel. Human output: each host's result printed
+    as soon as that host is done (a slow or dead host holds nobody back); --json: one document at
+    the end, hosts in -H order. Returns the highest exit code."""
+    outcomes = s.each(fn, on_done=None if as_json else (lambda o: print_outcome(o, render)))
+    if as_json:
+        print_json(hosts_json(outcomes, to_json))
     return exit_code_of(outcomes)

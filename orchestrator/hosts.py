@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -87,10 +88,14 @@ class HostSession:
                 c = self._conns[name] = open_connection(self.hosts[name])
             return c
 
-    def each(self, fn: Callable[[Connection], T], names: list[str] | tuple[str, ...] | None = None
-             ) -> list[Outcome[T]]:
+    def each(self, fn: Callable[[Connection], T], names: list[str] | tuple[str, ...] | None = None,
+             on_done: Callable[[Outcome[T]], None] | None = None) -> list[Outcome[T]]:
         """Run ``fn(conn)`` on every host (or on ``names``, some of them) in parallel; one host's failure
-        never hides another's. A host keeps its one connection from call to call."""
+        never hides another's. A host keeps its one connection from call to call.
+
+        ``on_done(outcome)`` is called in the calling thread as each host finishes, in the order they
+        finish: a slow or dead host never holds back the others' results. The list returned is in
+        the order of ``names``."""
         names = list(self.names if names is None else names)
 
         def one(name: str) -> Outcome[T]:
@@ -110,22 +115,33 @@ class HostSession:
                 return Outcome(name, error=err)
 
         if len(names) == 1:
-            return [one(names[0])]
-        # daemon threads, joined in short waits: Ctrl-C reaches the main thread at once and the
+            out = one(names[0])
+            if on_done is not None:
+                on_done(out)
+            return [out]
+        # daemon threads, waited on in short slices: Ctrl-C reaches the main thread at once and the
         # command can leave without waiting for calls still in flight on other hosts
         results: dict[str, Outcome[T]] = {}
+        done: queue.Queue[Outcome[T]] = queue.Queue()
         gate = threading.Semaphore(16)
 
         def run(name: str) -> None:
             with gate:
-                results[name] = one(name)
+                out = one(name)
+            results[name] = out
+            done.put(out)
 
-        threads = [threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}") for n in names]
-        for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
+        for n in names:
+            threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}").start()
+        for _ in names:
+            while True:
+                try:
+                    out = done.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                break
+            if on_done is not None:
+                on_done(out)
         return [results[n] for n in names]
 
     def close(self) -> None:

@@ -5,11 +5,23 @@ from __future__ import annotations
 import inspect
 import textwrap
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, session
+from ..cli_common import (
+    console,
+    emit,
+    exit_code_of,
+    hosts_json,
+    hosts_option,
+    job_option,
+    json_option,
+    print_json,
+    print_outcome,
+    session,
+)
 from ..config import LoadedJob, load_job
 from ..connection import Connection
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, transfer
@@ -59,19 +71,24 @@ def _run(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json: boo
     loaded = load_job(job_path)
     request = build_request(loaded, what, delete)
     with session(ctx, hosts) as s:
-        outcomes = run_transfer(s, loaded, what, request, quiet=as_json)
-    return emit(outcomes, as_json, TransferReport.model_dump, lambda host, r: _render(host, r, command))
+        # each host's report printed as soon as that host is done (a slow host holds nobody back)
+        outcomes = run_transfer(s, loaded, what, request, quiet=as_json, on_done=None if as_json else (
+            lambda o: print_outcome(o, lambda host, r: _render(host, r, command))))
+    if as_json:
+        print_json(hosts_json(outcomes, TransferReport.model_dump))
+    return exit_code_of(outcomes)
 
 
-def run_transfer(s: HostSession, loaded: LoadedJob, what: What, request: dict[str, Any], *, quiet: bool
+def run_transfer(s: HostSession, loaded: LoadedJob, what: What, request: dict[str, Any], *, quiet: bool,
+                 on_done: Callable[[Outcome[TransferReport]], None] | None = None
                  ) -> list[Outcome[TransferReport]]:
     """The transfer on every host of the session, on its one connection (a progress bar on a terminal
-    unless ``quiet``)."""
+    unless ``quiet``); ``on_done(outcome)`` as each host finishes (HostSession.each)."""
     with ProgressView(console, enabled=not quiet) as view:
         def one(conn: Connection) -> TransferReport:
             return transfer(conn, loaded, what, request, on_event=view.callback(conn.name))
 
-        return s.each(one)
+        return s.each(one, on_done=on_done)
 
 
 def render_transfer(outcomes: list[Outcome[TransferReport]], command: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -95,18 +96,19 @@ def provision_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_
     """
     loaded = load_job(job_path)  # package specs, overrides and index checked there (exit 2, FILE:LINE)
     with session(ctx, hosts) as s:
-        outcomes = run_provision(s, loaded, quiet=as_json, clear_triton_cache=clear_triton_cache)
+        # each host's summary printed as soon as that host is done (a slow host holds nobody back)
+        outcomes = run_provision(s, loaded, quiet=as_json, clear_triton_cache=clear_triton_cache,
+                                 on_done=None if as_json else render_one)
     if as_json:
         print_json({"hosts": {o.host: provision_json(o) for o in outcomes}})
-    else:
-        render_provision(outcomes)
     return max((o.exit_code for o in outcomes), default=EXIT_OK)
 
 
-def run_provision(s: HostSession, loaded: LoadedJob, *, quiet: bool, clear_triton_cache: bool = False
+def run_provision(s: HostSession, loaded: LoadedJob, *, quiet: bool, clear_triton_cache: bool = False,
+                  on_done: Callable[[Outcome[ProvisionReport]], None] | None = None
                   ) -> list[Outcome[ProvisionReport]]:
     """Provision every host of the session on its one connection; each step's line printed as it ends
-    unless ``quiet``."""
+    unless ``quiet``; ``on_done(outcome)`` as each host finishes (HostSession.each)."""
     multi = len(s.names) > 1
 
     def one(conn: Any) -> ProvisionReport:
@@ -116,7 +118,7 @@ def run_provision(s: HostSession, loaded: LoadedJob, *, quiet: bool, clear_trito
 
         return provision(conn, loaded, clear_triton_cache=clear_triton_cache, on_step=on_step)
 
-    return s.each(one)
+    return s.each(one, on_done=on_done)
 
 
 def provision_json(o: Outcome[ProvisionReport]) -> dict[str, Any]:
@@ -126,16 +128,22 @@ def provision_json(o: Outcome[ProvisionReport]) -> dict[str, Any]:
     return r.model_dump(by_alias=True)
 
 
+def render_one(o: Outcome[ProvisionReport]) -> None:
+    """One host's summary (or its error)."""
+    if o.error is not None:
+        report_error(o.error)
+        return
+    r = o.value
+    assert r is not None
+    with _OUT:
+        _summary(r)
+    if not r.ok and r.error:
+        report_error(DfoError(r.error["message"], host=r.host, hint=r.error.get("hint")))
+
+
 def render_provision(outcomes: list[Outcome[ProvisionReport]]) -> None:
     for o in outcomes:
-        if o.error is not None:
-            report_error(o.error)
-            continue
-        r = o.value
-        assert r is not None
-        _summary(r)
-        if not r.ok and r.error:
-            report_error(DfoError(r.error["message"], host=r.host, hint=r.error.get("hint")))
+        render_one(o)
 
 
 COMMANDS = [provision_cmd]

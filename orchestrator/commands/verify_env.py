@@ -9,7 +9,7 @@ from rich.table import Table
 
 from remote.fsutil import human_bytes
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, safe, session
+from ..cli_common import console, each_and_emit, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
 from ..steps.verify_env import VerifyReport, verify_env
 from .runs_view import dfo_cmd
@@ -105,9 +105,7 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
         return report
 
     with session(ctx, hosts) as s:
-        outcomes = s.each(one)
-
-    return emit(outcomes, as_json, VerifyReport.model_dump, render)
+        return each_and_emit(s, one, as_json, VerifyReport.model_dump, render)
 
 
 COMMANDS = [verify_env_cmd]
