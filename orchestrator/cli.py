@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("runs", "status_cmd",
                "The runs on each host, newest first: id, job, state, started, duration, exit code, last line."),
     "stop": ("runs", "stop_cmd", "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
+    "exec": ("exec", "exec_cmd", "Run a command on every host at once; output prefixed by host, exit status per host."),
     "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
     "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
 }

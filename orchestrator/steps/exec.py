@@ -1,0 +1,106 @@
+"""exec: one ad-hoc command on a node, its output streamed line by line (remote/fleetexec.py).
+
+The user's argv is joined with shlex.join (each word arrives as it was given: no re-splitting, no
+expansion by dfo), and the node's login shell runs that text, as ssh runs a command. For pipes or
+variables, give the shell yourself: ``dfo exec -H all -- bash -c 'nvidia-smi | head -5'``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..agent import run_module
+from ..transport import Transport
+
+NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
+#                            still ends a call whose link died)
+CONTROLLER_MARGIN_S = 30.0  # with --timeout S, the node kills at S; the controller gives up at S + this
+KEEP_BYTES = 16 << 20  # per stream, what --json keeps (the end of it)
+
+
+class _Kept:
+    """A stream's lines kept for --json, at most KEEP_BYTES (the end), with how much was dropped."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.size = 0
+        self.dropped = 0
+
+    def add(self, lines: list[str]) -> None:
+        for ln in lines:
+            self.lines.append(ln)
+            self.size += len(ln) + 1
+        while self.size > KEEP_BYTES and len(self.lines) > 1:
+            gone = self.lines.pop(0)
+            self.size -= len(gone) + 1
+            self.dropped += len(gone) + 1
+
+    def text(self) -> str:
+        head = f"[dfo: the first {self.dropped} bytes were dropped]\n" if self.dropped else ""
+        return head + "".join(ln + "\n" for ln in self.lines)
+
+
+@dataclass
+class ExecResult:
+    host: str
+    exit: int
+    seconds: float
+    timed_out: bool = False
+    signal: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return self.exit
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"host": self.host, "exit": self.exit, "seconds": round(self.seconds, 3),
+                               "timed_out": self.timed_out, "signal": self.signal}
+        if self.stdout is not None:
+            doc["stdout"] = self.stdout
+        if self.stderr is not None:
+            doc["stderr"] = self.stderr
+        return doc
+
+
+def command_text(argv: Sequence[str]) -> str:
+    """The shell text the node runs for ``argv``: every word quoted as given."""
+    return shlex.join(list(argv))
+
+
+def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = None,
+            on_out: Callable[[list[str]], None] | None = None,
+            on_err: Callable[[list[str]], None] | None = None, keep: bool = False) -> ExecResult:
+    """Run ``argv`` on the node in its own process group; each batch of stdout/stderr lines goes to
+    ``on_out``/``on_err`` as it arrives; ``keep`` collects them into the result (for --json). At
+    ``timeout`` seconds the node kills the group: exit 124, timed_out."""
+    out, err = _Kept(), _Kept()
+
+    def on_event(ev: dict[str, Any]) -> None:
+        o, e = ev.get("o"), ev.get("e")
+        if isinstance(o, list):
+            lines = [str(x) for x in o]
+            if keep:
+                out.add(lines)
+            if on_out is not None:
+                on_out(lines)
+        if isinstance(e, list):
+            lines = [str(x) for x in e]
+            if keep:
+                err.add(lines)
+            if on_err is not None:
+                on_err(lines)
+
+    start = time.monotonic()
+    limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S
+    data = run_module(conn, "remote.fleetexec", {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
+                      timeout=limit, on_event=on_event)
+    data = data if isinstance(data, dict) else {}
+    return ExecResult(conn.name, int(data.get("exit", 1)), float(data.get("seconds") or time.monotonic() - start),
+                      timed_out=bool(data.get("timed_out")), signal=data.get("signal"),
+                      stdout=out.text() if keep else None, stderr=err.text() if keep else None)
