@@ -260,6 +260,9 @@ def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> N
     assert "outputs: last pass shipped 0 files (0 B) to" in tail.stderr  # the final pass found nothing new
     final = oenv.json("outputs", "-H", oenv.node.name, run)
     assert final["state"] == "done" and final["final"]["ok"], final
+    # the S3 secret went on stdin only: no file of the run (meta.json, log, outputs.json, ...) holds it
+    held = oenv.tb.node_exec(oenv.node, f"grep -rlF {shlex.quote(oenv.s3.secret_key)} /workspace/.dfo/runs/{run} {path}")
+    assert held.returncode == 1 and not held.stdout, held.stdout
 
 
 @on_testbed
@@ -279,6 +282,26 @@ def test_tail_and_up_exit_3_when_the_run_succeeded_but_its_last_pass_failed(oenv
     assert tail.returncode == 3 and "outputs: last pass FAILED" in tail.stderr, tail.stdout + tail.stderr
     shown = oenv.json("outputs", "-H", oenv.node.name, run["id"])
     assert shown["errors"] and shown["failed_passes"] >= 1
+    # the shipper has ended: --ship makes the pass on the node, which needs the job's credentials (-j)
+    bare = oenv.json("outputs", "-H", oenv.node.name, run["id"], "--ship", expect=2)
+    assert "-j JOB" in bare["error"]["hint"], bare
+    again = oenv.dfo("outputs", "-H", oenv.node.name, run["id"], "--ship", "-j", str(job))
+    assert again.returncode == 3 and "outputs --ship: FAILED" in again.stdout and "NoSuchBucket" in again.stdout, (
+        again.stdout + again.stderr)
+
+
+@on_testbed
+def test_a_run_without_outputs_says_so(oenv: OutEnv) -> None:
+    job, name = oenv.job(n=0, dest=None)
+    run = oenv.json("launch", "-H", oenv.node.name, "-j", str(job))["run"]
+    assert oenv.wait_ended(run)["state"] == "succeeded"
+    doc = oenv.json("outputs", "-H", oenv.node.name, run)
+    assert doc["run"] == run and doc["state"] is None and doc["shipped"] == {}
+    text = oenv.dfo("outputs", "-H", oenv.node.name, "-j", str(job))  # RUN left out: the job's newest run
+    assert text.returncode == 0 and f"run {run} " in text.stdout and "ships no outputs" in text.stdout, text.stdout
+    assert f"run {run} (job {name}): the newest run of job {name}" in text.stderr
+    r = oenv.json("outputs", "-H", oenv.node.name, run, "--ship", expect=2)
+    assert "ships no outputs" in r["error"]["message"]
 
 
 # --------------------------------------------------------------------------- pure logic
