@@ -16,27 +16,27 @@ Every request is retried through ``remote.retry`` (5 attempts, full jitter, Retr
 The result per item: ``{"key", "size", "etag", "sha256", "ok", "error", "changed"}`` (``changed``: the
 file changed while it was read or sent; nothing was completed, the next pass tries again).
 
-``CpuGovernor`` keeps the process's CPU time (hashing, Python, syscalls) at most ``cpu`` cores on
+``remote.putlimits``: ``CpuGovernor`` keeps the process's CPU time (hashing, Python, syscalls) at most ``cpu`` cores on
 average over a few seconds: a worker that finds the budget spent sleeps before its next chunk.
 """
 from __future__ import annotations
 
 import base64
-import collections
 import hashlib
 import http.client
 import os
 import re
 import threading
-import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 
+from remote.putlimits import CpuGovernor, MemBudget  # noqa: F401 - CpuGovernor: imported from here too
 from remote.retry import Stopped, retry
 from remote.s3errors import S3Error, strip_ns
 
 MIB = 1 << 20
 CHUNK = 4 * MIB  # hashing granularity (the governor is asked between chunks)
+MEMORY = 256 * MIB  # file content held in memory at once, at most (or threshold + one part, if more)
 PLAIN_ETAG = re.compile(r"^[0-9a-fA-F]{32}$")
 MULTI_ETAG = re.compile(r"^[0-9a-fA-F]{32}-(\d+)$")
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -44,44 +44,6 @@ OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 class Changed(Exception):
     """The file changed while it was read or sent."""
-
-
-class CpuGovernor:
-    """At most ``cores`` of CPU time per second of wall time, averaged over ``window`` seconds.
-
-    ``throttle()`` is called by workers between chunks of work: when the CPU time used over the last
-    window is above budget, it sleeps as long as it takes the average to come back under it.
-    ``cpu``, ``clock`` and ``sleep`` are for tests (defaults: process CPU time of all threads, monotonic)."""
-
-    def __init__(self, cores=2.0, window=3.0, cpu=time.process_time, clock=time.monotonic, sleep=time.sleep,
-                 stop=None):
-        self.cores = float(cores) if cores else 0.0
-        self.window = window
-        self.cpu, self.clock, self.sleep, self.stop = cpu, clock, sleep, stop
-        self.lock = threading.Lock()
-        self.samples = collections.deque()
-        self.slept = 0.0
-
-    def throttle(self):
-        if self.cores <= 0:
-            return 0.0
-        with self.lock:
-            now, used = self.clock(), self.cpu()
-            self.samples.append((now, used))
-            while len(self.samples) > 1 and now - self.samples[0][0] > self.window:
-                self.samples.popleft()
-            t0, c0 = self.samples[0]
-            over = (used - c0) - self.cores * (now - t0)
-        if over <= 0:
-            return 0.0
-        delay = min(over / self.cores, self.window)
-        if self.stop is not None:
-            self.stop.wait(delay)
-        else:
-            self.sleep(delay)
-        with self.lock:
-            self.slept += delay
-        return delay
 
 
 def content_md5(digest):
@@ -146,6 +108,8 @@ class Uploader:
         self.governor = governor or CpuGovernor(cpu, stop=self.stop)
         self.parts_pool = None
         self.journal = journal  # .opened(bucket, key, upload_id) / .closed(...): open uploads, kept on disk
+        self.memory = MemBudget(max(self.threshold + self.part_size, min(self.concurrency * self.part_size, MEMORY)),
+                                self.stop)
 
     # ------------------------------------------------------------------ driver
     def upload(self, items):
@@ -220,6 +184,13 @@ class Uploader:
 
     # ------------------------------------------------------------------ single PUT
     def _single(self, fd, item, st):
+        held = self.memory.take(st.st_size)
+        try:
+            return self._single_held(fd, item, st)
+        finally:
+            self.memory.give(held)
+
+    def _single_held(self, fd, item, st):
         key, size = item["key"], st.st_size
         data = bytearray(size)
         view = memoryview(data)
@@ -321,6 +292,13 @@ class Uploader:
     def _part(self, fd, key, upload_id, i, length, halt):
         if self.stop.is_set() or halt.is_set():
             raise Stopped()
+        held = self.memory.take(length)
+        try:
+            return self._part_held(fd, key, upload_id, i, length, halt)
+        finally:
+            self.memory.give(held)
+
+    def _part_held(self, fd, key, upload_id, i, length, halt):
         self.governor.throttle()
         data = _read_at(fd, i * self.part_size, length)
         md5 = hashlib.md5(data).digest()

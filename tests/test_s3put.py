@@ -16,6 +16,7 @@ import pytest
 from orchestrator.testbed import S3Endpoint, Testbed
 from orchestrator.testbed_proxy import FaultProxy
 from orchestrator.testbed_s3 import S3Server, find_binary
+from remote.retry import Stopped
 from remote.s3client import S3Client
 from remote.s3put import CpuGovernor, Uploader, local_etag, multipart_etag
 
@@ -262,3 +263,28 @@ def test_the_governor_holds_a_real_upload_to_its_budget(ep: S3Endpoint, tmp_path
     assert all(r["ok"] for r in res), res
     assert gov.slept > 0
     assert cpu / wall < 0.25, (cpu, wall)  # budget 0.1 core: a window's overshoot at most
+
+
+def test_the_memory_budget() -> None:
+    from remote.putlimits import MemBudget
+
+    stop = threading.Event()
+    mem = MemBudget(10, stop)
+    assert mem.take(6) == 6 and mem.take(4) == 4
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(mem.take(5)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and got == []  # no room: it waits
+    mem.give(6)
+    t.join(5)
+    assert got == [5] and mem.used == 9
+    mem.give(4)
+    mem.give(5)
+    assert mem.take(50) == 10  # more than the budget: all of it, alone
+    stop.set()
+    with pytest.raises(Stopped):
+        mem.take(1)  # a stop ends the wait
+    up = Uploader(None, "b", concurrency=32, part_size=16 * MIB, threshold=64 * MIB)
+    assert up.memory.limit == 256 * MIB  # the defaults: 32 x 16 MiB parts would be 512 MiB
+    assert Uploader(None, "b", concurrency=4, part_size=16 * MIB, threshold=64 * MIB).memory.limit == 80 * MIB
