@@ -282,6 +282,9 @@ def test_tail_and_up_exit_3_when_the_run_succeeded_but_its_last_pass_failed(oenv
     assert tail.returncode == 3 and "outputs: last pass FAILED" in tail.stderr, tail.stdout + tail.stderr
     shown = oenv.json("outputs", "-H", oenv.node.name, run["id"])
     assert shown["errors"] and shown["failed_passes"] >= 1
+    # launch watching the whole run says the same (exit 3, the line)
+    watched = oenv.dfo("launch", "-H", oenv.node.name, "-j", str(job), "--wait", "120", timeout=300)
+    assert watched.returncode == 3 and "outputs: last pass FAILED" in watched.stdout, watched.stdout + watched.stderr
     # the shipper has ended: --ship makes the pass on the node, which needs the job's credentials (-j)
     bare = oenv.json("outputs", "-H", oenv.node.name, run["id"], "--ship", expect=2)
     assert "-j JOB" in bare["error"]["hint"], bare
