@@ -31,6 +31,7 @@ from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writi
 
 OUTPUTS_JSON = "outputs.json"
 ERRORS_KEPT = 5
+ENDED = ("done", "failed")
 FINAL_WAIT_STEP_S = 0.5
 
 
@@ -65,7 +66,10 @@ class State:
             doc = {}
         if not isinstance(doc, dict):
             doc = {}
-        self.doc = {"pid": os.getpid(), "state": "idle", "dest": spec.get("dest"), "path": spec.get("path"),
+        self.pid = None  # set by the shipper process; a pass run elsewhere keeps the recorded pid
+        self.ended = doc.get("state") in ENDED  # after the last pass: a later pass does not undo that
+        self.doc = {"pid": doc.get("pid"), "state": doc.get("state") or "idle", "dest": spec.get("dest"),
+                    "path": spec.get("path"),
                     "every": spec.get("every"), "passes": int(doc.get("passes") or 0),
                     "failed_passes": int(doc.get("failed_passes") or 0), "last_pass": doc.get("last_pass"),
                     "final": doc.get("final"), "shipped": doc.get("shipped") or {"files": 0, "bytes": 0},
@@ -74,7 +78,8 @@ class State:
 
     def write(self, **changes):
         self.doc.update(changes)
-        self.doc["pid"] = os.getpid()
+        if self.pid is not None:
+            self.doc["pid"] = self.pid
         data = json.dumps(self.doc, sort_keys=True, indent=1, default=str) + "\n"
         write_atomic(self.path, data.encode("utf-8"), 0o644)
 
@@ -84,7 +89,8 @@ class State:
         errors = d["errors"]
         if p["error"]:
             errors = (errors + [{"at": p["ended"], "error": p["error"]}])[-ERRORS_KEPT:]
-        state = ("done" if p["ok"] else "failed") if final else "idle"
+        state = ("done" if p["ok"] else "failed") if final else (d["state"] if self.ended else "idle")
+        self.ended = self.ended or final
         self.write(state=state, passes=d["passes"] + 1, failed_passes=d["failed_passes"] + (0 if p["ok"] else 1),
                    last_pass=p, final=p if final else d.get("final"), shipped=shipped, pending=p["pending"],
                    lag_s=lag, errors=errors)
@@ -109,7 +115,7 @@ class Shipper:
     def run_pass(self, final=False):
         started = time.time()
         t0 = time.monotonic()
-        self.state.write(state="shipping")
+        self.state.write(**({} if self.state.ended and not final else {"state": "shipping"}))
         p = {"n": self.state.doc["passes"] + 1, "started": iso(started), "final": bool(final), "ok": True,
              "files": 0, "bytes": 0, "skipped": 0, "pending": 0, "changed_during": 0, "error": None}
         lag = 0.0
@@ -326,6 +332,8 @@ def serve(run_dir, stdin=None, out=None):
     threading.Thread(target=reader, name="dfo-ship-stdin", daemon=True).start()
     shipper = Shipper(spec, run_dir, stop)
     every = max(float(spec.get("every") or 300), 0.05)
+    shipper.state.pid = os.getpid()
+    shipper.state.ended = False  # a (re)started shipper: the run's last pass is still to come
     shipper.state.write(state="idle")
     request = os.path.join(run_dir, "ship.request")
     while True:

@@ -160,6 +160,14 @@ def test_the_process_protocol(s3: S3Endpoint, bucket: str, tmp_path: Path, procs
     for f in list(run_dir.rglob("*")) + list((root / ".dfo").rglob("*")):
         if f.is_file():
             assert s3.secret_key not in f.read_text(errors="replace"), f
+    # a pass made later in another process (dfo outputs --ship, no live shipper) does not undo "done",
+    # nor take the shipper's pid
+    (root / "late.bin").write_bytes(b"late")
+    age(root / "late.bin", 60)
+    p = shipper.run_pass(spec, str(run_dir))
+    assert (p["ok"], p["files"], p["n"]) == (True, 1, 5)
+    doc = outputs_json(run_dir)
+    assert (doc["state"], doc["pid"], doc["passes"], doc["final"]["n"]) == ("done", sp.proc.pid, 5, 4)
 
 
 def test_eof_on_stdin_is_the_last_pass_and_a_failed_one_exits_1(s3: S3Endpoint, tmp_path: Path,
@@ -381,3 +389,15 @@ def test_a_killed_shippers_upload_is_aborted_by_the_next_pass(s3: S3Endpoint, bu
     assert (p["ok"], p["files"]) == (True, 1), p
     assert c.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert objects(s3, bucket)["k/big.bin"] == (root / "big.bin").read_bytes()
+
+
+def test_odd_names_ship_under_their_own_keys(s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    names = ["a b/sp ace.pt", "quo'te\"s.pt", "$(x)/`y`.pt", "ünï/cødé+=&?.pt", "pct%20.pt"]
+    for rel in names:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rel.encode())
+        age(root / rel, 60)
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/odd/"), str(tmp_path))
+    assert (p["ok"], p["files"]) == (True, len(names)), p
+    assert objects(s3, bucket) == {"odd/" + rel: rel.encode() for rel in names}
