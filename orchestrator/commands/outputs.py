@@ -111,6 +111,13 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
     on stdin only). The report has sync-data's shape: "no change" when nothing new was
     complete, else the files and bytes shipped.
 
+    With --json, each host's document is {"run", "job", "run_state", "state" (idle,
+    shipping, done, failed, starting; null: the run ships nothing), "dest", "path", "every",
+    "passes", "failed_passes", "shipped": {"files", "bytes"}, "pending", "lag_s",
+    "last_pass", "final", "errors"}; with --ship, sync-data's report ("status": done, no
+    change or failed; "fetched": files shipped, "bytes", "skipped", "files_total",
+    "bytes_total", ...) plus "run", "pending", "changed_during" and "error".
+
     \b
     Exit codes: 0 listed, or --ship's pass went well (or had nothing to do); 2 bad usage,
     no such run, a run without outputs, or --ship on an ended run without -j; 3 --ship's
