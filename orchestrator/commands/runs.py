@@ -160,7 +160,12 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
 
     def one(conn: Connection) -> Launched:
         try:
-            info = steps.launch(conn, loaded, force=force, note=lines.note(conn.name))
+            # a restore shows a progress bar on a terminal (one host: several bars would fight over it)
+            from ..steps.transfer import ProgressView
+
+            with ProgressView(console, enabled=not quiet and not multi) as view:
+                info = steps.launch(conn, loaded, force=force, note=lines.note(conn.name),
+                                    on_event=view.callback(conn.name))
         except DfoError as exc:
             live = (exc.details or {}).get("running")
             if live:  # refused: the job already runs here; say how to reach that run

@@ -242,7 +242,8 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
 
 
 def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
-           note: Callable[[str], None] | None = None) -> RunInfo:
+           note: Callable[[str], None] | None = None,
+           on_event: Callable[[dict[str, Any]], None] | None = None) -> RunInfo:
     """Start the job's run detached on the node; returns once the trainer has a pid. First the code
     (code:) and the outputs restore (outputs.restore), unless the job has a live run there."""
     job = loaded.job
@@ -266,7 +267,7 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
             from .outputs import restore as restore_outputs
             from .outputs import restore_line
 
-            r = restore_outputs(conn, loaded, rid)
+            r = restore_outputs(conn, loaded, rid, on_event=on_event)
             if r is not None:
                 restore = r.model_dump()
                 if note is not None:
