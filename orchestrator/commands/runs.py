@@ -163,9 +163,13 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
             # a restore shows a progress bar on a terminal (one host: several bars would fight over it)
             from ..steps.transfer import ProgressView
 
-            with ProgressView(console, enabled=not quiet and not multi) as view:
-                info = steps.launch(conn, loaded, force=force, note=lines.note(conn.name),
-                                    on_event=view.callback(conn.name))
+            held: list[str] = []  # the restore's line, printed once the bar is gone
+            try:
+                with ProgressView(console, enabled=not quiet and not multi) as view:
+                    info = steps.launch(conn, loaded, force=force, note=held.append, on_event=view.callback(conn.name))
+            finally:
+                for text in held:
+                    lines.note(conn.name)(text)
         except DfoError as exc:
             live = (exc.details or {}).get("running")
             if live:  # refused: the job already runs here; say how to reach that run
