@@ -3,7 +3,9 @@ whether its processes are still the run's.
 
 A run is a folder ``RUNS_ROOT/RUN_ID/`` holding meta.json (what was started: command, job, pids and their
 /proc start times, boot id), log (the trainer's stdout+stderr), end.json (how it ended), stop.json (a stop
-was asked for) and autotune_guard.jsonl. ``remote.supervisor`` writes meta.json and end.json;
+was asked for), autotune_guard.jsonl and, for a run with ``outputs``, outputs.json (written by
+``remote.shipper``: what shipped), shipper.json (written by the supervisor: the shipper's pid, its
+restarts) and ship.request (a pass asked for). ``remote.supervisor`` writes meta.json and end.json;
 ``remote.runs`` (launch, status, tail, stop) and ``remote.logfollow`` read them through this module:
 
 * ``run_state``: running / succeeded / failed / stopped / lost, from the files and /proc;
@@ -11,7 +13,8 @@ was asked for) and autotune_guard.jsonl. ``remote.supervisor`` writes meta.json 
 * ``proc_stat``, ``proc_alive``, ``group_members``, ``leftovers``: is a recorded pid still the run's
   process (same start time, same boot), and which of the run's process group is left;
 * ``tail_lines``, ``offset_of_last_lines``, ``offset_of_line``: the log's last lines and byte offsets;
-* ``read_json`` / ``write_json`` (durable, 0600), ``now_iso``, ``boot_id``.
+* ``read_json`` / ``write_json`` (durable, 0600), ``now_iso``, ``boot_id``, ``file_size``;
+* ``guard_info``: what the autotune guard recorded.
 """
 import json
 import os
@@ -24,6 +27,9 @@ END = "end.json"
 STOP = "stop.json"
 LOG = "log"
 GUARD_LOG = "autotune_guard.jsonl"
+OUTPUTS = "outputs.json"
+SHIPPER = "shipper.json"
+SHIP_REQUEST = "ship.request"
 
 
 def now_iso(ts=None):
@@ -196,3 +202,28 @@ def offset_of_line(path, lineno):
                 i = j + 1
             off += i if not skip else len(block)
     return off
+
+
+def file_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def guard_info(run_dir, meta):
+    if not (meta or {}).get("autotune_guard"):
+        return None
+    records = []
+    try:
+        with open(os.path.join(run_dir, GUARD_LOG)) as f:
+            for ln in f:
+                try:
+                    records.append(json.loads(ln))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    installed = any(isinstance(r, dict) and (r.get("installed") is True or r.get("event") == "installed")
+                    for r in records)
+    return {"enabled": True, "installed": installed, "records": len(records), "last": records[-1] if records else None}

@@ -5,9 +5,7 @@ supervisor once the trainer started), log (the trainer's stdout+stderr), end.jso
 stop.json (a stop was asked for) and, with the autotune guard, autotune_guard.jsonl. Every JSON
 file is written to a temp name and renamed. ``python3 -m remote.runs`` reads ``{"op": ...}``.
 """
-import base64
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -19,11 +17,13 @@ import sys
 import time
 
 from remote import runrecord as rec
+from remote import runs_outputs as outputs
 from remote._proto import RemoteError, emit_event, main
 from remote.logfollow import LogReader, start_offset
 from remote.logfollow import Watch as _Watch
 from remote.logfollow import chunk_event as _chunk_event
 from remote.redact import is_secret, redact
+from remote.uploads import sync_uploads
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -63,24 +63,6 @@ def resolve(req):
                       hint="give more of the id")
 
 
-def guard_info(run_dir, meta):
-    if not (meta or {}).get("autotune_guard"):
-        return None
-    records = []
-    try:
-        with open(os.path.join(run_dir, rec.GUARD_LOG)) as f:
-            for ln in f:
-                try:
-                    records.append(json.loads(ln))
-                except ValueError:
-                    pass
-    except OSError:
-        pass
-    installed = any(isinstance(r, dict) and (r.get("installed") is True or r.get("event") == "installed")
-                    for r in records)
-    return {"enabled": True, "installed": installed, "records": len(records), "last": records[-1] if records else None}
-
-
 def describe(run_id, run_dir, tail=0, state=None):
     state, meta, end = state or rec.run_state(run_dir)
     meta = meta or {}
@@ -93,8 +75,8 @@ def describe(run_id, run_dir, tail=0, state=None):
         "signal": (end or {}).get("signal"), "pid": meta.get("pid"), "pgid": meta.get("pgid"),
         "supervisor_pid": meta.get("supervisor_pid"), "host": meta.get("host"), "run_dir": run_dir,
         "command": meta.get("command"), "workdir": meta.get("workdir"), "end": end,
-        "last_line": last[-1] if last else None, "log_size": _size(log),
-        "autotune_guard": guard_info(run_dir, meta),
+        "last_line": last[-1] if last else None, "log_size": rec.file_size(log),
+        "autotune_guard": rec.guard_info(run_dir, meta), "outputs": outputs.info(run_dir, meta),
     }
     if tail and state in ("failed", "lost"):
         info["tail"] = rec.tail_lines(log, tail)
@@ -103,62 +85,7 @@ def describe(run_id, run_dir, tail=0, state=None):
     return info
 
 
-def _size(path):
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
 # --------------------------------------------------------------------------- launch
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
-def _safe_rel(rel):
-    norm = os.path.normpath(rel)
-    if os.path.isabs(norm) or norm == ".." or norm.startswith("../"):
-        raise RemoteError("config", "run.upload: %r leaves the working directory" % rel,
-                          hint="list files under the job file's folder")
-    return norm
-
-
-def sync_uploads(workdir, uploads):
-    """Write changed uploads into ``workdir``; [need] when some changed file came without content."""
-    need, done = [], []
-    for up in uploads:
-        dest = os.path.join(workdir, _safe_rel(up["path"]))
-        same = _sha256(dest) == up["sha256"]
-        if not same and up.get("content_b64") is None:
-            need.append(up["path"])
-        done.append((up, dest, same))
-    if need:
-        return need, []
-    report = []
-    for up, dest, same in done:
-        if not same:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            data = base64.b64decode(up["content_b64"])
-            if hashlib.sha256(data).hexdigest() != up["sha256"]:
-                raise RemoteError("verify", "run.upload %s: content does not match its sha256" % up["path"])
-            tmp = "%s.dfo-%d.tmp" % (dest, os.getpid())
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, up.get("mode", 0o644) & 0o777)
-            os.replace(tmp, dest)
-            if _sha256(dest) != up["sha256"]:
-                raise RemoteError("verify", "run.upload %s: written file does not match its sha256" % up["path"])
-        report.append({"path": up["path"], "sha256": up["sha256"], "changed": not same})
-    return [], report
 
 
 def trainer_env(req, run_id, run_dir):
@@ -230,7 +157,11 @@ def _start(req, run_id, run_dir, uploads):
         "uploads": uploads, "autotune_guard": bool(req.get("autotune_guard")), "job_file": req.get("job_file"),
         "stop_grace": req.get("stop_grace"), "log": os.path.join(run_dir, rec.LOG), "agent_dir": AGENT_DIR,
     }
-    spec = json.dumps({"command": req["command"], "workdir": req["workdir"], "env": env, "meta": meta})
+    ship = req.get("outputs")
+    if isinstance(ship, dict):  # the spec without credentials: those go to the supervisor's stdin alone
+        meta["outputs"] = dict((k, v) for k, v in ship.items() if k != "credentials")
+    spec = json.dumps({"command": req["command"], "workdir": req["workdir"], "env": env, "meta": meta,
+                       "outputs": meta.get("outputs"), "outputs_credentials": req.get("outputs_credentials")})
     sup_env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
     sup_env.update({"PYTHONPATH": AGENT_DIR, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
     r, w = os.pipe()
@@ -295,7 +226,9 @@ def read(req):
 def follow(req):
     """Stream the log from an offset as events until the run has ended and the log is drained
     (``to_end``: until the end the log has now). The events: orchestrator/steps/logstream.py. A log
-    truncated or replaced meanwhile is read on from its new start, after a reset event."""
+    truncated or replaced meanwhile is read on from its new start, after a reset event. A run with
+    outputs is followed on after its end until its last pass is done or failed (or nobody is left to
+    make it), with an ``{"outputs": ...}`` event on each change; the result carries ``outputs``."""
     run_id, run_dir = resolve(req)
     log = os.path.join(run_dir, rec.LOG)
     start = start_offset(log, req)
@@ -316,6 +249,8 @@ def follow(req):
     check_every = 2.0 if watch.fd is not None else 0.5  # full state check (pids): catches a lost run
     last_sent = last_check = time.time()
     ended = state if state[0] != "running" else None
+    wait_outputs = req.get("outputs_wait", True) is not False  # until the last pass is done (or failed)
+    last_look, seen_out = False, None
     try:
         while True:
             if reader.f is None:
@@ -341,10 +276,18 @@ def follow(req):
                 emit_event(reader.reset_event(why))
                 watch.watch_file(log)
                 continue
-            if ended is not None:
-                break  # the run had ended before this read reached the end of the log: drained
+            if ended is not None:  # the run had ended before this read reached the end of the log: drained
+                out = outputs.info(run_dir, meta) if wait_outputs else None
+                if outputs.follow_done(run_dir, meta, out):
+                    if last_look:
+                        break
+                    last_look = True  # once more to the log's end: the shipper's last line is in it now
+                    continue
+                if out != seen_out:  # the last pass is still under way: say how it goes, follow the log on
+                    emit_event({"outputs": out})
+                    seen_out, last_sent = out, time.time()
             now = time.time()
-            if os.path.exists(end_path) or now - last_check >= check_every:  # end.json wakes inotify at once
+            if ended is None and (os.path.exists(end_path) or now - last_check >= check_every):  # inotify wakes
                 last_check = now
                 st = rec.run_state(run_dir)
                 if st[0] != "running":
@@ -385,7 +328,9 @@ def _wait_gone(meta, seconds):
 
 def stop(req):
     """SIGTERM to the run's process group, ``grace`` seconds, SIGKILL; recorded as stopped. A lost
-    run whose group still has processes (the trainer's children) gets the same treatment."""
+    run whose group still has processes (the trainer's children) gets the same treatment. The shipper
+    is not in that group: a stopped run with outputs gets its last pass (the supervisor starts it once
+    end.json is written); ``wait_outputs`` (seconds) waits for that pass, else it goes on unwatched."""
     run_id, run_dir = resolve(req)
     state, meta, end = rec.run_state(run_dir)
     if state != "running" and not (state == "lost" and rec.leftovers(meta or {})):
@@ -411,6 +356,8 @@ def stop(req):
         rec.write_json(end_path, {"ended": rec.now_iso(), "ended_ts": time.time(), "exit_code": None, "signal": None,
                                   "stopped": True, "oom_suspected": False,
                                   "note": "recorded by dfo stop (was %s: the supervisor was gone)" % state})
+    if req.get("wait_outputs") and outputs.spec_of(meta):  # seconds to wait for the stopped run's last pass
+        outputs.wait_settled(run_dir, meta, deadline=time.time() + float(req["wait_outputs"]))
     info = describe(run_id, run_dir)
     info["stop"] = sent
     info["stop_seconds"] = round(time.time() - t0, 3)
@@ -427,7 +374,16 @@ def status(req):
     return {"runs": [describe(rid, d, tail=int(req.get("tail") or 0)) for _, rid, d in runs]}
 
 
-OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop": stop}
+def outputs_op(req):
+    return outputs.op_outputs(req, resolve, describe)
+
+
+def ship(req):
+    return outputs.op_ship(req, resolve)
+
+
+OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop": stop, "outputs": outputs_op,
+       "ship": ship}
 
 
 def handle(req):

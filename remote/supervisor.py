@@ -10,6 +10,13 @@ signals the group), writes meta.json (with pids and their /proc start times, so 
 never mistaken for the run), reports ``{"pid": ...}`` on STATUS_FD and closes it, waits, and writes
 end.json: exit code or signal, end time, whether a stop was asked for, and for a SIGKILL nobody
 asked for, the likely-OOM hint with the kernel's word where the node lets it be read.
+
+With ``outputs`` in its spec (and ``outputs_credentials``, which only ever travel on stdin), it also
+starts and watches the outputs shipper (``remote.shipwatch``): it ships while the trainer runs; when
+the trainer ends, end.json is written FIRST (the run's state is known at once), then the shipper makes
+its last pass and the supervisor waits for it, however long that takes. A stopped run gets its last
+pass too: its checkpoint is exactly what one wants shipped. A SIGTERM while the trainer runs ends the
+trainer (as before); one during the last pass is forwarded to the shipper.
 """
 import json
 import os
@@ -20,6 +27,7 @@ import sys
 import time
 
 from remote.runrecord import END, LOG, META, STOP, boot_id, now_iso, proc_stat, read_json, write_json
+from remote.shipwatch import ShipperWatch
 
 
 def cgroup_oom_kills():
@@ -139,8 +147,17 @@ def supervise(run_dir, status_fd):
     write_json(os.path.join(run_dir, META), meta)
     os.write(status_fd, json.dumps({"pid": proc.pid, "pgid": proc.pid, "supervisor_pid": os.getpid()}).encode())
     os.close(status_fd)
+    shipper = None
+    if (spec.get("outputs") or {}).get("dest"):
+        shipper = ShipperWatch(run_dir, spec["outputs"], spec.get("outputs_credentials"), os.path.join(run_dir, LOG))
+        shipper.start()
+    spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
+    trainer_done = []
 
     def forward(signum, frame):  # someone ends the supervisor: end the trainer the same way, keep recording
+        if trainer_done and shipper is not None:
+            shipper.terminate()  # the last pass is under way: the shipper aborts cleanly and records
+            return
         try:
             os.killpg(proc.pid, signum)
         except OSError:
@@ -148,6 +165,7 @@ def supervise(run_dir, status_fd):
 
     signal.signal(signal.SIGTERM, forward)
     code = proc.wait()
+    trainer_done.append(code)
     end = {"ended": now_iso(), "ended_ts": time.time(), "exit_code": None, "signal": None, "oom_suspected": False}
     if code < 0:
         try:
@@ -167,6 +185,9 @@ def supervise(run_dir, status_fd):
         if oom_before is not None and after is not None:
             end["cgroup_oom_kills"] = after - oom_before
     write_json(os.path.join(run_dir, END), end)
+    if shipper is not None:
+        shipper.finish()  # the last pass, after end.json: the run's end is known before the pass ends
+        shipper.wait()
     return 0
 
 
