@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # config (pydantic, yaml) and connection (fabric, paramiko) l
     from .connection import Connection
 
 T = TypeVar("T")
+PARALLEL = 16  # hosts worked on at once by default (SSH handshakes and agent checks cost CPU here)
 
 
 @dataclass
@@ -89,13 +90,15 @@ class HostSession:
             return c
 
     def each(self, fn: Callable[[Connection], T], names: list[str] | tuple[str, ...] | None = None,
-             on_done: Callable[[Outcome[T]], None] | None = None) -> list[Outcome[T]]:
+             on_done: Callable[[Outcome[T]], None] | None = None, parallel: int | None = PARALLEL
+             ) -> list[Outcome[T]]:
         """Run ``fn(conn)`` on every host (or on ``names``, some of them) in parallel; one host's failure
         never hides another's. A host keeps its one connection from call to call.
 
         ``on_done(outcome)`` is called in the calling thread as each host finishes, in the order they
         finish: a slow or dead host never holds back the others' results. The list returned is in
-        the order of ``names``."""
+        the order of ``names``. At most ``parallel`` hosts are worked on at once (None: all of them,
+        for calls that wait on the node's own work, such as `dfo exec`'s commands)."""
         names = list(self.names if names is None else names)
 
         def one(name: str) -> Outcome[T]:
@@ -123,7 +126,7 @@ class HostSession:
         # command can leave without waiting for calls still in flight on other hosts
         results: dict[str, Outcome[T]] = {}
         done: queue.Queue[Outcome[T]] = queue.Queue()
-        gate = threading.Semaphore(16)
+        gate = threading.Semaphore(parallel or len(names))
 
         def run(name: str) -> None:
             with gate:

@@ -336,3 +336,20 @@ def test_exec_usage_errors_are_exit_2() -> None:
     r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "exec", "-H", "x", "--timeout", "0", "--", "true"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "timeout" in r.stderr.lower()
+
+
+def test_exec_runs_every_host_at_once_beyond_the_connect_limit(tmp_path: Path) -> None:
+    """20 hosts (more than the 16 hosts other commands work on at once): each host's command waits
+    until all 20 have started, which only ends if every host runs at the same time."""
+    n = 20
+    hosts = "".join(f"  h{i:02d}: {{transport: local}}\n" for i in range(n))
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}}}\nhosts:\n{hosts}")
+    room = tmp_path / "room"
+    room.mkdir()
+    script = ('touch "$1/$$"; i=0; while [ "$(ls "$1" | wc -l)" -lt "$2" ]; do i=$((i+1)); '
+              '[ $i -gt 600 ] && exit 9; sleep 0.1; done; echo all-here')
+    r = dfo(inv, "exec", "-H", "all", "--timeout", "120", "--", "sh", "-c", script, "sh", str(room), str(n),
+            timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("all-here") == n

@@ -111,7 +111,7 @@ def exec_cmd(ctx: click.Context, hosts: tuple[str, ...], as_json: bool, timeout:
             _ended(o, took[o.host])
 
     with session(ctx, hosts) as s:
-        outcomes = s.each(one, on_done=done)
+        outcomes = s.each(one, on_done=done, parallel=None)  # every host at once, however many
     code = exit_code_of(outcomes)
     if as_json:
         doc: dict[str, Any] = {}
