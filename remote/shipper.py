@@ -24,7 +24,7 @@ import threading
 import time
 
 from remote.fsutil import human_bytes, write_atomic
-from remote.retry import Stopped
+from remote.retry import Stopped, retry
 from remote.s3client import S3Error, split_s3_url
 from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag
 from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, scan, settled
@@ -32,6 +32,7 @@ from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writi
 OUTPUTS_JSON = "outputs.json"
 ERRORS_KEPT = 5
 ENDED = ("done", "failed")
+HEAD_AT_MOST = 32  # files not yet in shipped.json: up to this many are looked up with a HEAD each, else a listing
 FINAL_WAIT_STEP_S = 0.5
 
 
@@ -226,11 +227,20 @@ class Shipper:
         unknown = [(rel, st) for rel, st in ready if rel not in shipped.files]
         if not unknown:
             return ready
-        listed = {o["key"]: o for o in self._client().list_objects(bucket, prefix, stop=self.stop)}
+        if len(unknown) > HEAD_AT_MOST:  # many (a restore put them back): one listing
+            try:
+                listed = {o["key"]: o for o in self._client().list_objects(bucket, prefix, stop=self.stop)}
+            except S3Error as exc:
+                if exc.status != 403:
+                    raise
+                listed = {}  # credentials that may write but not list: nothing to compare with, all is sent
+            look = listed.get
+        else:  # a few new files (a checkpoint): a HEAD each, not a listing of every object the run shipped
+            look = lambda key: self._head(bucket, key)  # noqa: E731
         same = set()
         psize = int(self.spec.get("part_size_mb") or 16) * MIB
         for rel, st in unknown:
-            obj = listed.get(prefix + rel)
+            obj = look(prefix + rel)
             if obj is None or obj["size"] != st.st_size:
                 continue
             path = os.path.join(self.root, rel)
@@ -242,7 +252,7 @@ class Shipper:
                     mine = local_etag(path, st.st_size, psize, parts is not None, governor=self.governor)
                 sha = None
                 if mine != etag:
-                    sha = self._meta_sha256(bucket, prefix + rel)
+                    sha = obj.get("sha256") if "sha256" in obj else self._meta_sha256(bucket, prefix + rel)
                     if not sha or sha != _file_sha256(path, self.governor):
                         continue
                 shipped.record(rel, st, prefix + rel, etag, sha)
@@ -251,6 +261,17 @@ class Shipper:
             except OSError:
                 continue
         return [(rel, st) for rel, st in ready if rel not in same]
+
+    def _head(self, bucket, key):
+        """{size, etag, sha256} of the object, or None when there is none (404)."""
+        try:
+            h = retry(lambda: self._client().head(bucket, key), stop=self.stop)
+        except S3Error as exc:
+            if exc.status in (403, 404):  # none, or credentials that may not read it: it is sent
+                return None
+            raise
+        return {"size": int(h.get("content-length") or -1), "etag": (h.get("etag") or "").strip('"'),
+                "sha256": (h.get("x-amz-meta-sha256") or "").strip().lower() or None}
 
     def _meta_sha256(self, bucket, key):
         try:
