@@ -11,6 +11,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +202,7 @@ def test_eof_on_stdin_is_the_last_pass_and_a_failed_one_exits_1(s3: S3Endpoint, 
     assert doc["state"] == "idle" and doc["last_pass"]["ok"] is False and doc["failed_passes"] == 1
     assert "SignatureDoesNotMatch" in doc["errors"][-1]["error"] and "HTTP 403" in doc["errors"][-1]["error"]
     assert wrong not in (run_dir / "outputs.json").read_text()
+    assert 59 <= doc["lag_s"] < 120  # the settled file not shipped was written 60 s ago
     assert sp.proc.stdin is not None
     sp.proc.stdin.close()
     rc, out, _ = sp.proc.wait(timeout=60), (sp.proc.stdout.read().decode() if sp.proc.stdout else ""), None
@@ -423,3 +425,32 @@ def test_odd_names_ship_under_their_own_keys(s3: S3Endpoint, bucket: str, tmp_pa
     p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/odd/"), str(tmp_path))
     assert (p["ok"], p["files"]) == (True, len(names)), p
     assert objects(s3, bucket) == {"odd/" + rel: rel.encode() for rel in names}
+
+
+def test_the_last_pass_ships_fresh_files_but_waits_for_one_held_open(s3: S3Endpoint, bucket: str,
+                                                                      tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "fresh.pt").write_bytes(b"f" * 10)  # written just now, closed: the run is over, it ships
+    held = open(root / "held.pt", "wb")  # noqa: SIM115 - something still writes it after the run ended
+    done = threading.Event()
+
+    def writer() -> None:
+        while not done.wait(0.1):
+            held.write(b"h")
+            held.flush()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/f/", settle=1.5), str(tmp_path), final=True)
+        waited = time.monotonic() - t0
+    finally:
+        done.set()
+        t.join()
+        held.close()
+    assert (p["ok"], p["final"], p["files"], p["pending"]) == (True, True, 1, 1), p
+    assert waited >= 1.5  # it gave the held file `settle` seconds
+    assert set(objects(s3, bucket)) == {"f/fresh.pt"}
+    assert outputs_json(tmp_path)["state"] == "done"
