@@ -46,6 +46,7 @@ class ShipperWatch:
         self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.lock = threading.Lock()
         self.proc = None
+        self.starttime = None
         self.restarts = 0
         self.final = False
         self.terminating = False
@@ -66,6 +67,7 @@ class ShipperWatch:
             proc = self.proc
             if proc is not None and proc.poll() is None:
                 self._send_final(proc)
+                self._record(proc.pid, self.starttime, False)  # final_sent: `ship` now waits for this pass
 
     def terminate(self):
         """Forward a SIGTERM (called from a signal handler: no lock taken)."""
@@ -115,7 +117,8 @@ class ShipperWatch:
         except OSError:
             pass  # it died at once; its exit is seen below
         st = proc_stat(proc.pid)
-        self._record(proc.pid, st[2] if st else None, False)
+        self.starttime = st[2] if st else None
+        self._record(proc.pid, self.starttime, False)
         return proc
 
     def _relay(self, proc):

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -262,6 +263,29 @@ def test_ship_asks_the_live_shipper_for_a_pass_and_outputs_reports_it(node: Loca
                        env=dict(env, PYTHONPATH=str(node.agent)), cwd=node.agent)
     err = json.loads(r.stdout.split("@@DFO-RESULT@@ ", 1)[1])["error"]
     assert err["kind"] == "usage" and "-j JOB" in err["hint"]
+
+
+def test_ship_during_the_last_pass_returns_that_pass_and_a_sigterm_then_ends_the_shipper(
+        node: LocalNode, tmp_path: Path) -> None:
+    run = node.launch("exit 0", spec(tmp_path, every=600, final_sleep=2.0), CREDS)
+    assert node.wait_for(lambda: (node.run_dir(run) / "shipper.json").exists()
+                         and node.file(run, "shipper.json")["final_sent"])
+    res, _ = node.call({"op": "ship", "run": run}, timeout=30)
+    assert res["by"] == "final" and res["final"] is True and res["why"] == "final"  # not a second pass beside it
+    assert len((node.run_dir(run) / "fake-received.jsonl").read_text().splitlines()) == 1
+    # a SIGTERM to the supervisor during the last pass goes to the shipper, which is not started again
+    run = node.launch("exit 0", spec(tmp_path, every=600, final_sleep=30), CREDS)
+    assert node.wait_for(lambda: (node.run_dir(run) / "shipper.json").exists()
+                         and node.file(run, "shipper.json")["final_sent"])
+    sup = node.file(run, "meta.json")["supervisor_pid"]
+    t0 = time.monotonic()
+    os.kill(sup, signal.SIGTERM)
+    assert node.wait_for(lambda: node.file(run, "shipper.json")["pid"] is None, timeout=10)
+    assert time.monotonic() - t0 < 5  # it did not sit out the 30 s pass
+    sh = node.file(run, "shipper.json")
+    assert sh["restarts"] == 0 and sh["exits"][-1]["code"] == -signal.SIGTERM
+    fin, _ = node.call({"op": "follow", "run": run}, timeout=30)
+    assert fin["state"] == "succeeded" and fin["outputs"]["alive"] is False
 
 
 def test_a_run_without_outputs_has_none_and_follow_ends_with_the_run(node: LocalNode) -> None:
