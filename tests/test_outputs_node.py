@@ -346,9 +346,9 @@ class ShipBed:
         p.write_text(yaml.safe_dump(doc, sort_keys=False))
         return p, name
 
-    def dfo(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def dfo(self, *args: str, timeout: float = 120, secret: str | None = None) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update({"AWS_ACCESS_KEY_ID": self.s3.access_key, "AWS_SECRET_ACCESS_KEY": self.s3.secret_key,
+        env.update({"AWS_ACCESS_KEY_ID": self.s3.access_key, "AWS_SECRET_ACCESS_KEY": secret or self.s3.secret_key,
                     "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
                     "COLUMNS": "200"})
         return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(self.inv), *args],
@@ -475,3 +475,23 @@ def test_on_a_node_dfo_stop_stops_the_trainer_then_the_last_pass_ships_its_check
     assert t.run_file(run, "end.json")["stopped"] is True
     got = t.objects(name)
     assert list(got) == ["ckpt-000.bin"] and {k: _sha(v) for k, v in got.items()} == t.node_files()
+
+
+@on_testbed
+def test_on_a_node_passes_that_fail_never_kill_the_run_and_status_shows_them(testbed: Any, tmp_path: Path) -> None:
+    t = ShipBed(testbed, tmp_path)
+    job, name = t.job(n=3, d=0.7, s=0, every=0.5)
+    wrong = "wrong" + secrets.token_hex(8)  # S3 refuses every request signed with it
+    r = t.dfo("launch", "-H", t.node.name, "-j", str(job), "--json", secret=wrong)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = json.loads(r.stdout)["hosts"][t.node.name]["run"]
+    r = t.dfo("tail", "-H", t.node.name, run, timeout=120, secret=wrong)
+    assert "trainer done" in r.stdout and "FAILED" in r.stdout + r.stderr
+    st = t.status(run)
+    out = st["outputs"]
+    assert st["state"] == "succeeded" and st["exit_code"] == 0  # the run itself is untouched
+    assert out["state"] == "failed" and out["failed_passes"] >= 2 and out["final"]["ok"] is False
+    assert out["errors"] and t.run_file(run, "shipper.json")["restarts"] == 0  # failed passes, not a dead shipper
+    assert t.objects(name) == {}
+    assert wrong not in t.sh(f"cat /workspace/.dfo/runs/{run}/log /workspace/.dfo/runs/{run}/outputs.json")
+
