@@ -353,3 +353,33 @@ def test_exec_runs_every_host_at_once_beyond_the_connect_limit(tmp_path: Path) -
             timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("all-here") == n
+
+
+def test_exec_a_lost_link_is_exit_4_for_that_host_and_its_command_ends(testbed2, tmp_path: Path
+                                                                       ) -> None:  # type: ignore[no-untyped-def]
+    """node-2's link is cut while its command runs: node-1 is reported (exit 0), node-2 is a lost
+    connection (exit 4, within dfo's liveness bound); once the link is back, the node's sshd drops the
+    dead session and the command's group goes with it (the wrapper's next write fails)."""
+    n1, n2 = testbed2.nodes[0], testbed2.nodes[1]
+    inv = fleet_inventory(testbed2, tmp_path)
+    marker = f"fleetlost{secrets.token_hex(3)}"
+    script = f'echo started; [ "$(hostname)" = {n2.name} ] && exec -a {marker} sleep 300; echo done'
+    w = Watched(argv(inv, "exec", "-H", n1.name, "-H", n2.name, "--", "bash", "-c", script), env_for(None),
+                lambda: None)
+    try:
+        deadline = time.monotonic() + 60
+        while f"[{n2.name}] started" not in w.text("out") or not node_pids(testbed2, n2, marker):
+            assert w.proc.poll() is None and time.monotonic() < deadline, w.text("out") + w.text("err")
+            time.sleep(0.2)
+        testbed2.link_down(n2)
+        rc = w.wait(90)
+    finally:
+        testbed2.link_up(n2)
+    out, err = w.text("out"), w.text("err")
+    assert rc == 4, out + err
+    assert f"[{n1.name}] done" in out and f"dfo: {n1.name}: exit 0" in err
+    assert "connection lost" in err and n2.name in err and "Traceback" not in err
+    deadline = time.monotonic() + 90
+    while node_pids(testbed2, n2, marker):
+        assert time.monotonic() < deadline, "the command outlived its lost session"
+        time.sleep(1)
