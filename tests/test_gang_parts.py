@@ -423,3 +423,67 @@ def test_a_failing_member_process_stops_the_others() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+# --------------------------------------------------------------------------- on the testbed (2 real nodes)
+@pytest.mark.testbed
+def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Over SSH on two testbed nodes: the address check passes when node-b reaches node-a's
+    gang address, and fails naming both nodes with a wrong private_address; the preflight names
+    the node whose provision record has another torch; the node finds the interface for gloo."""
+    from orchestrator.agent import run_module
+    from orchestrator.config import load_inventory, resolve_host
+    from orchestrator.connection import open_connection
+    from tests._runs_fixtures import inventory_copy
+
+    inv, p = load_inventory(inventory_copy(testbed2, tmp_path))
+    a, b = (resolve_host(inv, n.name, p) for n in testbed2.nodes)
+    conns = {a.name: open_connection(a), b.name: open_connection(b)}
+    port = _free_port() if not testbed2.isolated else 29400
+
+    def check(hosts: list[ResolvedHost]) -> list[str]:
+        plan = plan_gang(_job(nodes=2, rdzv_port=port), hosts, "gang-check")
+        token, out = secrets.token_hex(8), {}
+        ports = [plan.rdzv_port, plan.watch_port]
+
+        def call(n: Any) -> None:
+            req = ({"op": "listen", "ports": ports, "token": token, "expect": 1, "window": 8} if n.rank == 0 else
+                   {"op": "connect", "address": plan.master.address, "ports": ports, "token": token, "rank": n.rank,
+                    "window": 4, "connect_timeout": 2})
+            out[n.host] = run_module(conns[n.host], "remote.gang", req, timeout=60)
+
+        threads = [threading.Thread(target=call, args=(n,)) for n in plan.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        return address_problems(plan, out)
+
+    try:
+        assert check([a, b]) == []
+        wrong = a.model_copy(update={"private_address": "127.0.0.1"})  # node-b's own loopback: not node-a
+        probs = check([wrong, b])
+        assert len(probs) == 1 and probs[0].startswith(f"{b.name} cannot reach {a.name} at 127.0.0.1:{port}: ")
+        assert "refused" in probs[0] and f"hosts.{a.name}.private_address" in probs[0]
+        # preflight: provision records written as remote/provision.py writes them, one torch differs
+        facts = {}
+        for h, torch in ((a, "2.11.0"), (b, "2.10.0")):
+            rec = json.dumps({"ok": True, "python": "3.12.3", "packages_after": {"torch": torch}})
+            r = testbed2.ssh(testbed2.node(h.name), "mkdir -p /workspace/.dfo/provision && cat > "
+                             f"/workspace/.dfo/provision/g.json <<'EOF'\n{rec}\nEOF\n")
+            assert r.returncode == 0, r.stderr
+            facts[h.name] = run_module(conns[h.name], "remote.gang", {"op": "facts", "workspace": "/workspace",
+                                                                     "job": "g", "manifests": {}}, timeout=60)
+        assert preflight_problems("g", facts) == [f"{b.name}: torch 2.10.0, {a.name} has 2.11.0"]
+        ifname = run_module(conns[b.name], "remote.gang", {"op": "iface", "address": b.gang_address}, timeout=60)
+        if testbed2.isolated:
+            shown = testbed2.node_exec(testbed2.node(b.name), "ip -o addr show").stdout
+            assert ifname["ifname"] and ifname["ifname"] != "lo" and f" {ifname['ifname']} " in shown
+            assert b.gang_address in shown
+        else:
+            assert ifname["ifname"] == "lo"
+    finally:
+        for c in conns.values():
+            c.close()
+        for n in testbed2.nodes:
+            testbed2.ssh(n, "rm -f /workspace/.dfo/provision/g.json")
