@@ -16,6 +16,9 @@ connection included). Each case is timed --repeat times (a fresh node folder for
 median is reported, and the ratios are dfo / rsync and dfo / tar (lower is better; the goal is
 at most 1.0x rsync in every case). tar has no notion of "changed": it sends everything each time.
 rsync must be installed here (the testbed node shares this machine's /usr, so it has it too).
+Beside the wall times: the CPU time each command used on this machine (user + system of its
+processes: a busy machine changes it least), and the floor every tool stands on (`ssh node
+true`; a bare python3; python3 importing what dfo's SSH path needs).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shlex
 import shutil
 import statistics
@@ -64,13 +68,31 @@ def make_repo(repo: Path, files: int, total_mb: float, seed: int = 7) -> int:
     return total
 
 
+CPU: dict[str, dict[str, list[float]]] = {}  # tool -> case -> CPU seconds (user + system) of the command
+
+
 def timed(argv: list[str] | str, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+    """Wall seconds of one command; its CPU seconds (the command's processes here, user + system)
+    go to CPU via ``cpu``. CPU time is what a busy machine changes least."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(argv, shell=isinstance(argv, str), capture_output=True, text=True, env=env, cwd=cwd)
     secs = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    timed.cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # type: ignore[attr-defined]
     if r.returncode != 0:
         raise SystemExit(f"failed ({r.returncode}): {argv}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return secs
+
+
+def floor(ssh: list[str], target: str, n: int) -> dict[str, float]:
+    """What any tool pays before its first byte: `ssh node true` (OpenSSH's client start-up, key
+    exchange, auth and one exec: what rsync and tar pay) and a bare python3 start here."""
+    runs = {"ssh node true": [timed([*ssh, target, "true"]) for _ in range(n)],
+            "python3 -c pass": [timed([sys.executable, "-c", "pass"]) for _ in range(n)],
+            "python3 -c 'import click, pydantic, paramiko, fabric, rich'":
+                [timed([sys.executable, "-c", "import click, pydantic, paramiko, fabric, rich"]) for _ in range(n)]}
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def main() -> None:
@@ -114,25 +136,37 @@ def main() -> None:
             return timed(f"git ls-files -z | tar --null -T - -cf - | {shlex.join(ssh)} {target} {remote}", cwd=repo)
 
         tools = {"dfo": dfo_push, "rsync": rsync_push, "tar": tar_push}
-        results: dict[str, dict[str, list[float]]] = {t: {"first": [], "no change": [], "one change": []} for t in tools}
+        cases = ("first", "no change", "one change")
+        results: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
+        cpu: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
         victim = next(repo.rglob("file_1*.py"))
         for rep in range(args.repeat):
             for name, push in tools.items():
                 dest = f"/root/bench-{name}-{rep}"
-                results[name]["first"].append(push(dest))
-                results[name]["no change"].append(push(dest))
-                victim.write_bytes(victim.read_bytes()[::-1] + str(time.time()).encode())
-                results[name]["one change"].append(push(dest))
+                for case in cases:
+                    if case == "one change":
+                        victim.write_bytes(victim.read_bytes()[::-1] + str(time.time()).encode())
+                    results[name][case].append(push(dest))
+                    cpu[name][case].append(timed.cpu)  # type: ignore[attr-defined]
                 tb.ssh(node, f"rm -rf {dest}")
-    med = {t: {c: statistics.median(v) for c, v in cases.items()} for t, cases in results.items()}
-    print(f"\n{'case':<12}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}")
-    for c in ("first", "no change", "one change"):
+        base = floor(ssh, target, max(5, args.repeat))
+    load = os.getloadavg()
+    med = {t: {c: statistics.median(v) for c, v in cs.items()} for t, cs in results.items()}
+    cmed = {t: {c: statistics.median(v) for c, v in cs.items()} for t, cs in cpu.items()}
+    print(f"\nwall (median of {args.repeat}); CPU here (user + system); load average {load[0]:.1f}")
+    print(f"{'case':<12}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}"
+          f"{'dfo cpu':>9}{'rsync cpu':>10}{'tar cpu':>9}")
+    for c in cases:
         d, r, t = med["dfo"][c], med["rsync"][c], med["tar"][c]
-        print(f"{c:<12}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x")
+        print(f"{c:<12}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x"
+              f"{cmed['dfo'][c]:>9.3f}{cmed['rsync'][c]:>10.3f}{cmed['tar'][c]:>9.3f}")
+    for k, v in base.items():
+        print(f"  floor: {k:<60}{v:.3f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"files": args.files, "bytes": total, "repeat": args.repeat, "median_s": med,
-                               "runs_s": results}, indent=1) + "\n")
+    out.write_text(json.dumps({"files": args.files, "bytes": total, "repeat": args.repeat, "load": load,
+                               "median_s": med, "median_cpu_s": cmed, "floor_s": base,
+                               "runs_s": results, "cpu_s": cpu}, indent=1) + "\n")
     print(f"\nwritten: {out}")
     shutil.rmtree(work, ignore_errors=True)
 

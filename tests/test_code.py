@@ -348,3 +348,39 @@ def test_the_pushed_cache_is_per_node_and_read_in_halves(tmp_path: Path, monkeyp
     lines = again.path.read_bytes().split(b"\n")
     again.path.write_bytes(lines[0] + b"\n{broken\n")  # the second half unreadable: not a guess of 'nothing'
     assert Pushed("root@a:22\0a\0/root/code").files() is None
+
+
+def test_the_tree_digest_is_reused_only_while_every_file_keeps_its_key(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing changed here: the tree's digest comes from one small record, the per-file hash cache
+    is not read; one file touched (same bytes, same size, a new mtime): hashed again, same digest;
+    one byte changed: another digest."""
+    from orchestrator.steps import codetree
+    from orchestrator.steps.code import Local
+    from remote.codepush import digest_of
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    for i in range(5):
+        (src / f"pkg/m{i}.py").write_text(f"x = {i}\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "t", "venv": "/usr", "code": {"source": "src", "dest": "/root/c"}}))
+    from orchestrator.config import load_job
+
+    loaded = load_job(job)
+    first = Local(loaded).result()
+    full = digest_of(first.view())
+    assert first.digest == full
+    reads: list[Path] = []
+    real_fill = codetree.fill_hashes
+    monkeypatch.setattr("orchestrator.steps.code.fill_hashes", lambda s, f: (reads.append(s), real_fill(s, f)))
+    again = Local(loaded).result()
+    assert again.digest == full and reads == []  # the hash cache was not read
+    st = os.stat(src / "pkg/m2.py")
+    os.utime(src / "pkg/m2.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    touched = Local(loaded).result()
+    assert touched.digest == full and len(reads) == 1
+    (src / "pkg/m2.py").write_text("x = 9\n")
+    changed = Local(loaded).result()
+    assert changed.digest != full and changed.digest == digest_of(changed.view()) and len(reads) == 2

@@ -38,7 +38,17 @@ from remote.fsutil import human_bytes
 from ..cli_common import clean
 from ..config import LoadedJob, RunConfig
 from ..errors import ConfigError
-from .codetree import LocalFile, Pushed, fill_hashes, list_code, manifest_view, warnings
+from .codetree import (
+    LocalFile,
+    Pushed,
+    cached_tree_digest,
+    fill_hashes,
+    list_code,
+    manifest_view,
+    save_tree_digest,
+    stat_digest,
+    warnings,
+)
 from .report import MoveReport
 
 if TYPE_CHECKING:
@@ -88,6 +98,7 @@ class Local:
         self.files: dict[str, LocalFile] = {}
         self.in_git = False
         self.digest = ""
+        self._hashed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="code-local", daemon=True)
         self._thread.start()
@@ -95,10 +106,23 @@ class Local:
     def _run(self) -> None:
         try:
             self.files, self.in_git = list_code(self.source, self.exclude)
-            fill_hashes(self.source, self.files)
-            self.digest = digest_of(manifest_view(self.files))
+            stat_sum = stat_digest(self.files)
+            digest = cached_tree_digest(self.source, stat_sum)
+            if digest is None:  # some file is not as the last listing saw it: hashes (cached per file)
+                self.view()
+                save_tree_digest(self.source, stat_sum, self.digest)
+            else:
+                self.digest = digest
         except BaseException as exc:  # noqa: BLE001 - raised by result(), in the caller's thread
             self._error = exc
+
+    def view(self) -> dict[str, dict[str, object]]:
+        """path -> {sha256, mode, link}, hashing (from the per-file cache) on first use."""
+        if not self._hashed:
+            fill_hashes(self.source, self.files)
+            self._hashed = True
+            self.digest = digest_of(manifest_view(self.files))
+        return manifest_view(self.files)
 
     def result(self) -> Local:
         while self._thread.is_alive():
@@ -184,7 +208,6 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         state = _call(conn, {"op": "state", "dest": dest})
     local.result()
     files = local.files
-    view = manifest_view(files)
     base: dict[str, Any] | None = None
     if state is None and known.digest != local.digest:  # changed here since the last push: what, exactly
         base = known.files()
@@ -196,6 +219,11 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
     notes: list[str] = []
     warned: set[str] = set()
     real = dest
+
+    def remember() -> None:  # what the node now holds, for the next push's guess
+        if known.digest != local.digest:
+            local.view()
+            known.save(local.digest, files)
 
     def report(status: str) -> CodeReport:
         secs = time.monotonic() - t0
@@ -209,13 +237,13 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         real = state["dest"]
         dirty = set(state.get("dirty") or [])
         if not dirty and files and state.get("digest") == local.digest:
-            known.save(local.digest, files)
+            remember()
             return report("no change")
-        to_send, to_delete = _diff(view, state.get("files") or {}, dirty)
+        to_send, to_delete = _diff(local.view(), state.get("files") or {}, dirty)
         if not to_send and not to_delete:
             return report("no change")
     elif base is not None:
-        to_send, to_delete = _diff(view, base, set())
+        to_send, to_delete = _diff(local.view(), base, set())
     else:  # nothing changed here since the last push: the node's check alone
         to_send, to_delete = [], []
     for attempt in range(2):
@@ -232,9 +260,9 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         kept += done.get("kept_files") or []
         kept_n += done.get("kept") or 0
         if done.get("match"):
-            known.save(local.digest, files)
+            remember()
             break
-        to_send, to_delete = _diff(view, done.get("files") or {}, set(done.get("dirty") or []))
+        to_send, to_delete = _diff(local.view(), done.get("files") or {}, set(done.get("dirty") or []))
         if attempt or (not to_send and not to_delete):
             break  # the node changed under this push (another push into the same dest): reported as it went
     status = "done" if sent or deleted else "no change"

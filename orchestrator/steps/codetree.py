@@ -242,6 +242,37 @@ def fill_hashes(source: Path, files: dict[str, LocalFile]) -> None:
             pass  # a cache that cannot be written only costs time
 
 
+def stat_digest(files: dict[str, LocalFile]) -> str:
+    """One sha256 over every file's path, (size, mtime_ns, inode), mode and link target: the keys
+    the hash cache trusts, for the whole tree at once."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        f = files[rel]
+        h.update(f"{rel}\0{f.key[0]}\0{f.key[1]}\0{f.key[2]}\0{f.mode}\0{f.link}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def cached_tree_digest(source: Path, stat_sum: str) -> str | None:
+    """The tree digest (remote.codepush.digest_of) recorded with ``stat_sum``: when every file has the
+    key it had then, every hash is the cached one, and so is the digest; the 5,000-entry hash cache
+    need not be read."""
+    try:
+        doc = json.loads(_cache_path(source).with_suffix(".tree").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(doc, dict) and doc.get("stat") == stat_sum and isinstance(doc.get("digest"), str)
+    return doc["digest"] if ok else None
+
+
+def save_tree_digest(source: Path, stat_sum: str, digest: str) -> None:
+    p = _cache_path(source).with_suffix(".tree")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(str(p), json.dumps({"stat": stat_sum, "digest": digest}).encode())
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
 def manifest_view(files: dict[str, LocalFile]) -> dict[str, dict[str, object]]:
     return {rel: {"sha256": f.sha256, "mode": f.mode, "link": f.link} for rel, f in files.items()}
 
@@ -252,6 +283,9 @@ def manifest_view(files: dict[str, LocalFile]) -> dict[str, dict[str, object]]:
 def _pushed_path(node: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
     return base / ("node-" + hashlib.sha256(node.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
+
+
+PUSHED_VERSION = 2  # the first line's version: an older or other file is no guess at all
 
 
 class Pushed:
@@ -267,7 +301,8 @@ class Pushed:
                 head = json.loads(f.readline())
         except (OSError, ValueError):
             return
-        if isinstance(head, dict) and head.get("node") == node and isinstance(head.get("digest"), str):
+        if isinstance(head, dict) and head.get("version") == PUSHED_VERSION and head.get("node") == node \
+                and isinstance(head.get("digest"), str):
             self.digest = head["digest"]
 
     def files(self) -> dict[str, list[object]] | None:
@@ -283,7 +318,7 @@ class Pushed:
     def save(self, digest: str, files: dict[str, LocalFile]) -> None:
         if digest == self.digest:
             return
-        head = json.dumps({"node": self.node, "digest": digest})
+        head = json.dumps({"version": PUSHED_VERSION, "node": self.node, "digest": digest})
         body = json.dumps({rel: [f.sha256, f.mode, f.link] for rel, f in files.items()})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
