@@ -45,6 +45,15 @@ def _mac(secret, *parts):
     return hmac.new(secret, "|".join(str(p) for p in parts).encode("utf-8"), hashlib.sha256).hexdigest()
 
 
+def _same(got, want):
+    """Constant-time, and safe on any text a stranger sends (compare_digest refuses non-ASCII str)."""
+    return hmac.compare_digest(got.encode("utf-8", "replace"), want.encode("ascii"))
+
+
+def _num(text):
+    return text.isascii() and text.isdigit()
+
+
 class _Chan(object):
     """One authenticated connection: numbered, MAC'd lines in both directions."""
 
@@ -72,11 +81,10 @@ class _Chan(object):
     def check(self, line):
         """The payload of a valid line, else None."""
         parts = line.split(" ")
-        if len(parts) < 3 or not parts[0].isdigit():
+        if len(parts) < 3 or not _num(parts[0]):
             return None
         seq, mac, payload = int(parts[0]), parts[-1], " ".join(parts[1:-1])
-        if seq <= self.seq_in or not hmac.compare_digest(mac, _mac(self.secret, self.session, self.in_dir, seq,
-                                                                    payload)):
+        if seq <= self.seq_in or not _same(mac, _mac(self.secret, self.session, self.in_dir, seq, payload)):
             return None
         self.seq_in = seq
         return payload
@@ -132,6 +140,7 @@ class GangWatch(object):
         self.interval, self.silence, self.join_timeout = float(interval), float(silence), float(join_timeout)
         self.lock = threading.Lock()
         self.events = []
+        self.bad_lines = 0
         self.first_failure = None  # {"host", "how"}
         self.own = None  # None while the trainer runs; then "done" or "failed <how>"
         self.stopped = False
@@ -151,6 +160,10 @@ class GangWatch(object):
     def event(self, kind, **kw):
         ev = dict(kw, event=kind, t=round(time.time(), 3))
         with self.lock:
+            if kind == "bad-line":
+                self.bad_lines += 1
+                if self.bad_lines > 20:  # a stranger's flood: counted, not kept
+                    return
             self.events.append(ev)
         if self.on_event is not None:
             try:
@@ -233,8 +246,9 @@ class GangWatch(object):
         if not self._record_failure(host, how):
             return
         for m in list(self.members.values()):
-            if m["chan"] is not None:
-                m["chan"].send("gang-failed %s %s" % (host, how))
+            ch = m["chan"]
+            if ch is not None:
+                ch.send("gang-failed %s %s" % (host, how))
         if host != self.host:
             self._stop_trainer("gang failed: %s %s" % (host, how))
 
@@ -265,7 +279,7 @@ class GangWatch(object):
             return
         line = _read_line(sock, 10.0)
         parts = (line or "").split(" ")
-        if len(parts) != 4 or parts[0] != "join" or not parts[1].isdigit() or not hmac.compare_digest(
+        if len(parts) != 4 or parts[0] != "join" or not _num(parts[1]) or not _same(
                 parts[3], _mac(self.secret, "join", self.gang_id, nonce, parts[1], parts[2])) \
                 or int(parts[1]) not in self.members:
             self.event("bad-line", peer=peer[0], where="join")
@@ -320,14 +334,15 @@ class GangWatch(object):
         while not self.done.wait(self.interval / 2):
             now = time.monotonic()
             for rank, m in list(self.members.items()):
-                if m["chan"] is not None:
-                    m["chan"].send("hb")
+                ch = m["chan"]
+                if ch is not None:
+                    ch.send("hb")
                 limit = self.join_timeout if m["state"] == "joining" else self.silence
                 if m["state"] in ("joining", "running") and now - m["last"] > limit:
                     m["state"] = "lost"
                     self.event("member-lost", host=self.hosts[rank], silent=round(now - m["last"], 1))
-                    if m["chan"] is not None:
-                        m["chan"].close()
+                    if ch is not None:
+                        ch.close()
                     self._fail_gang(self.hosts[rank], "lost")
                     self._check_done()
 
@@ -360,8 +375,8 @@ class GangWatch(object):
     def _join(self, sock):
         line = _read_line(sock, min(10.0, self.silence))
         parts = (line or "").split(" ")
-        if len(parts) != 3 or parts[0] != "hello" or not hmac.compare_digest(
-                parts[2], _mac(self.secret, "hello", self.gang_id, parts[1])):
+        if len(parts) != 3 or parts[0] != "hello" or not _same(parts[2], _mac(self.secret, "hello", self.gang_id,
+                                                                                   parts[1])):
             self.event("bad-line", where="hello")
             sock.close()
             return None

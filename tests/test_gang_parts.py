@@ -25,6 +25,8 @@ from remote import gang as rgang
 from remote.gangwatch import GangWatch, _Chan, _mac
 
 ROOT = Path(__file__).resolve().parent.parent
+# a watch thread that dies on a stranger's bytes is a failure here, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
 
 def _job(**run: Any) -> Job:
@@ -306,10 +308,14 @@ def test_lines_without_the_secret_are_ignored() -> None:
         h2 = s2.recv(200).decode().split()
         s2.sendall(f"join 1 {'cd' * 16} {_mac(b'x' * 32, 'join', 'run-1', h2[1], 1, 'cd' * 16)}\n".encode())
         assert wrong  # a MAC under another secret
+        s3 = socket.create_connection(("127.0.0.1", g.hub.port), timeout=5)
+        s3.recv(200)
+        s3.sendall("join ² \u00e9 \u00e9\n".encode() + b"\xff\xfe\n")  # not ASCII, not UTF-8
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and sum(e["event"] == "bad-line" for e in g.hub.events) < 2:
+        while time.monotonic() < deadline and sum(e["event"] == "bad-line" for e in g.hub.events) < 3:
             time.sleep(0.05)
-        assert sum(e["event"] == "bad-line" for e in g.hub.events) >= 2
+        assert sum(e["event"] == "bad-line" for e in g.hub.events) >= 3
+        s3.close()
         time.sleep(0.5)
         assert g.hub.first_failure is None and not any(e.is_set() for e in g.stops.values())
         s.close()
