@@ -237,9 +237,12 @@ class Uploader:
             off += len(data)
         sha = whole.hexdigest()
         self._check_same(fd, item["path"], st)
+        if self.journal is not None:  # before the upload exists: a SIGKILL right after it is created leaves a trace
+            self.journal.opened(self.bucket, key, "")
         upload_id = self._create(key, sha)
         if self.journal is not None:
             self.journal.opened(self.bucket, key, upload_id)
+            self.journal.closed(self.bucket, key, "")
         try:
             nparts = (size + psize - 1) // psize
             halt = threading.Event()  # a part failed: the others not yet started are not sent
@@ -361,6 +364,23 @@ class Uploader:
         if note is None and self.journal is not None:
             self.journal.closed(self.bucket, key, upload_id)
         return note
+
+
+def open_uploads(client, bucket, key):
+    """The ids of the multipart uploads open for exactly ``key`` (ListMultipartUploads, first page)."""
+    def ask():
+        resp = client.request("GET", bucket, "", [("uploads", ""), ("prefix", key)], label=key)
+        return client.check(resp, bucket, key, "GET").read()
+
+    root = ET.fromstring(retry(ask))
+    ids = []
+    for up in root:
+        if strip_ns(up.tag) != "Upload":
+            continue
+        fields = {strip_ns(c.tag): (c.text or "") for c in up}
+        if fields.get("Key") == key and fields.get("UploadId"):
+            ids.append(fields["UploadId"])
+    return ids
 
 
 def abort_upload(client, bucket, key, upload_id):

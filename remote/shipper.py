@@ -14,7 +14,6 @@ pass that shipped something or failed (the supervisor puts it in the run's log).
 """
 from __future__ import annotations
 
-import datetime
 import fcntl
 import json
 import os
@@ -23,22 +22,15 @@ import sys
 import threading
 import time
 
-from remote.fsutil import human_bytes, write_atomic
+from remote.fsutil import human_bytes
 from remote.retry import Stopped, retry
 from remote.s3client import S3Error, split_s3_url
-from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag
+from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads
 from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, scan, settled
+from remote.shipstate import ENDED, ERRORS_KEPT, OUTPUTS_JSON, State, iso  # noqa: F401 - re-exported
 
-OUTPUTS_JSON = "outputs.json"
-ERRORS_KEPT = 5
-ENDED = ("done", "failed")
 HEAD_AT_MOST = 32  # files not yet in shipped.json: up to this many are looked up with a HEAD each, else a listing
 FINAL_WAIT_STEP_S = 0.5
-
-
-def iso(ts=None):
-    return datetime.datetime.fromtimestamp(ts if ts is not None else time.time(), datetime.timezone.utc).strftime(
-        "%Y-%m-%dT%H:%M:%SZ")
 
 
 def make_client(spec):
@@ -52,49 +44,6 @@ def dest_parts(dest):
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     return bucket, prefix
-
-
-class State:
-    """RUN_DIR/outputs.json: read once (a restarted shipper goes on counting), written atomically."""
-
-    def __init__(self, run_dir, spec):
-        self.path = os.path.join(run_dir, OUTPUTS_JSON)
-        doc = {}
-        try:
-            with open(self.path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError):
-            doc = {}
-        if not isinstance(doc, dict):
-            doc = {}
-        self.pid = None  # set by the shipper process; a pass run elsewhere keeps the recorded pid
-        self.ended = doc.get("state") in ENDED  # after the last pass: a later pass does not undo that
-        self.doc = {"pid": doc.get("pid"), "state": doc.get("state") or "idle", "dest": spec.get("dest"),
-                    "path": spec.get("path"),
-                    "every": spec.get("every"), "passes": int(doc.get("passes") or 0),
-                    "failed_passes": int(doc.get("failed_passes") or 0), "last_pass": doc.get("last_pass"),
-                    "final": doc.get("final"), "shipped": doc.get("shipped") or {"files": 0, "bytes": 0},
-                    "pending": doc.get("pending") or 0, "lag_s": doc.get("lag_s"),
-                    "errors": list(doc.get("errors") or [])[-ERRORS_KEPT:]}
-
-    def write(self, **changes):
-        self.doc.update(changes)
-        if self.pid is not None:
-            self.doc["pid"] = self.pid
-        data = json.dumps(self.doc, sort_keys=True, indent=1, default=str) + "\n"
-        write_atomic(self.path, data.encode("utf-8"), 0o644)
-
-    def passed(self, p, lag, final):
-        d = self.doc
-        shipped = {"files": d["shipped"]["files"] + p["files"], "bytes": d["shipped"]["bytes"] + p["bytes"]}
-        errors = d["errors"]
-        if p["error"]:
-            errors = (errors + [{"at": p["ended"], "error": p["error"]}])[-ERRORS_KEPT:]
-        state = ("done" if p["ok"] else "failed") if final else (d["state"] if self.ended else "idle")
-        self.ended = self.ended or final
-        self.write(state=state, passes=d["passes"] + 1, failed_passes=d["failed_passes"] + (0 if p["ok"] else 1),
-                   last_pass=p, final=p if final else d.get("final"), shipped=shipped, pending=p["pending"],
-                   lag_s=lag, errors=errors)
 
 
 class Shipper:
@@ -150,13 +99,13 @@ class Shipper:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one pass at a time on this path (shipper, or dfo outputs --ship)
             journal = OpenUploads(self.root)
-            for b, k, uid in journal.left():  # left open by a shipper that was killed: abort them now
-                if abort_upload(self._client(), b, k, uid) is None:
-                    journal.closed(b, k, uid)
+            self._abort_left(journal)
             shipped = Shipped(self.root).load()
             ready, pending = self._ready(includer, shipped, prefix, settle, final, p)
             shipped.files = {rel: e for rel, e in shipped.files.items() if rel in self._seen}  # gone: forgotten
             p["pending"] = len(pending)
+            if ready:
+                self._check_bucket(bucket)
             todo = self._not_in_dest(ready, shipped, bucket, prefix, p)
             results = []
             if todo:
@@ -262,6 +211,33 @@ class Shipper:
                 continue
         return [(rel, st) for rel, st in ready if rel not in same]
 
+    def _abort_left(self, journal):
+        """Multipart uploads a shipper that was killed left open: abort them now. An entry with no id was
+        being created when it died: the uploads open for that key are asked for and aborted."""
+        for b, k, uid in journal.left():
+            ids = [uid] if uid else open_uploads(self._client(), b, k)
+            if all(abort_upload(self._client(), b, k, i) is None for i in ids):
+                journal.closed(b, k, uid)
+
+    def _check_bucket(self, bucket):
+        """The bucket must exist (some servers create a missing one on PUT: a typo in outputs.dest would
+        ship into a bucket nobody looks at). Once per shipper; credentials that may not look (403) pass."""
+        if getattr(self, "_bucket_ok", False):
+            return
+        client = self._client()
+
+        def head():
+            resp = client.request("HEAD", bucket, "", label="")
+            resp.read()
+            return resp.status
+
+        status = retry(lambda: _status_or_raise(client, head, bucket), stop=self.stop)
+        if status == 404:
+            raise S3Error("verify", "%s: NoSuchBucket (HTTP 404): the bucket of outputs.dest does not exist"
+                          % client.where(bucket), status=404, code="NoSuchBucket",
+                          hint="create it, or fix outputs.dest in the job file")
+        self._bucket_ok = True
+
     def _head(self, bucket, key):
         """{size, etag, sha256} of the object, or None when there is none (404)."""
         try:
@@ -278,6 +254,14 @@ class Shipper:
             return (self._client().head(bucket, key).get("x-amz-meta-sha256") or "").strip().lower() or None
         except S3Error:
             return None
+
+
+def _status_or_raise(client, head, bucket):
+    """HEAD's status when it says something about the bucket (200, 301, 403, 404); a retryable S3Error else."""
+    status = head()
+    if status in (500, 502, 503, 504, 429, 408):
+        raise S3Error("unreachable", "%s: HTTP %d" % (client.where(bucket), status), status=status, retryable=True)
+    return status
 
 
 def _file_sha256(path, governor):

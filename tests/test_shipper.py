@@ -454,3 +454,33 @@ def test_the_last_pass_ships_fresh_files_but_waits_for_one_held_open(s3: S3Endpo
     assert waited >= 1.5  # it gave the held file `settle` seconds
     assert set(objects(s3, bucket)) == {"f/fresh.pt"}
     assert outputs_json(tmp_path)["state"] == "done"
+
+
+def test_a_missing_bucket_fails_the_pass(s3: S3Endpoint, tmp_path: Path) -> None:
+    """SeaweedFS creates a missing bucket on PUT: a typo in outputs.dest must fail, not ship elsewhere."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "a.pt").write_bytes(b"a")
+    age(root / "a.pt", 60)
+    missing = "nosuch-" + secrets.token_hex(4)
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{missing}/x/"), str(tmp_path))
+    assert p["ok"] is False and "NoSuchBucket" in p["error"] and missing in p["error"], p
+    names = [b["Name"] for b in s3.client().list_buckets()["Buckets"]]
+    assert missing not in names
+
+
+def test_an_upload_being_created_when_the_shipper_died_is_found_and_aborted(s3: S3Endpoint, bucket: str,
+                                                                             tmp_path: Path) -> None:
+    """SIGKILL between CreateMultipartUpload's answer and the journal's update: uploads.json names the key
+    with no id; the next pass asks S3 for that key's open uploads and aborts them."""
+    root = tmp_path / "ckpt"
+    (root / ".dfo").mkdir(parents=True)
+    c = s3.client()
+    c.create_multipart_upload(Bucket=bucket, Key="k/big.bin")
+    c.create_multipart_upload(Bucket=bucket, Key="k/big.bin.other")  # another key: not ours to abort
+    (root / ".dfo" / "uploads.json").write_text(json.dumps({"uploads": [{"bucket": bucket, "key": "k/big.bin",
+                                                                          "id": ""}]}))
+    p = shipper.run_pass(make_spec(s3, root, f"s3://{bucket}/k/"), str(tmp_path))
+    assert p["ok"] is True, p
+    assert [u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == ["k/big.bin.other"]
+    assert json.loads((root / ".dfo" / "uploads.json").read_text())["uploads"] == []
