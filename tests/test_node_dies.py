@@ -3,16 +3,31 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import pickle
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from botocore.exceptions import ClientError
 
 from orchestrator import testbed_sys as tsys
+from orchestrator.commands.demo import DEFAULT_WHEELS
+from orchestrator.demo_data import write_data, write_model
 from orchestrator.testbed import Testbed, TestbedError
 
 pytestmark = pytest.mark.testbed
@@ -97,3 +112,201 @@ def test_vanish_needs_a_namespace_node(make_testbed: MakeTestbed) -> None:
     with pytest.raises(TestbedError, match="vanish needs a namespace node"):
         tb.vanish(tb.nodes[0])
     assert tb.ssh(tb.nodes[0], "echo alive").stdout.strip() == "alive"
+
+
+# --------------------------------------------------------------------------- the whole story (issue 12)
+
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "demo-outputs.yaml"
+CKPT_DIR = "/workspace/checkpoints/demo-outputs"
+MAX_STEPS = 300
+
+
+class _NoTorch(pickle.Unpickler):
+    """Reads a torch.save checkpoint's data.pkl without torch: tensors come back as None."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" or module.startswith("torch."):
+            return lambda *a, **k: None
+        if module in ("collections", "builtins"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} in a checkpoint")
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def ckpt_step(data: bytes) -> int:
+    """The "step" a demo trainer checkpoint (torch.save's zip) was saved at."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+        return int(_NoTorch(io.BytesIO(z.read(pkl))).load()["step"])
+
+
+def _shipped_files(doc: Any) -> int | None:
+    """shipped.files out of `dfo outputs --json` (wherever the host's document nests it)."""
+    if isinstance(doc, dict):
+        shipped = doc.get("shipped")
+        if isinstance(shipped, dict) and isinstance(shipped.get("files"), int):
+            return int(shipped["files"])
+        for v in doc.values():
+            n = _shipped_files(v)
+            if n is not None:
+                return n
+    elif isinstance(doc, list):
+        for v in doc:
+            n = _shipped_files(v)
+            if n is not None:
+                return n
+    return None
+
+
+class Story:
+    """Runs dfo commands and keeps a transcript (the README's "When a node dies" is made from it)."""
+
+    def __init__(self, cwd: Path, env: dict[str, str], out: Path) -> None:
+        self.cwd, self.env, self.out = cwd, env, out  # cwd holds inventory.yaml (dfo's default) and the job
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+        self.out.write_text("\n".join(self.lines) + "\n")
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", *args]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        t0 = time.monotonic()
+        r = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout, env=self.env,
+                           cwd=self.cwd)
+        self.note(f"$ dfo {' '.join(args)}\n{r.stdout}{r.stderr}[exit {r.returncode}, {time.monotonic() - t0:.1f}s]")
+        return r
+
+    def stream(self, *args: str, timeout: float) -> tuple[int, str]:
+        """A long command (up): its output (stdout and stderr) goes to the transcript as it comes."""
+        t0 = time.monotonic()
+        self.note(f"$ dfo {' '.join(args)}")
+        proc = subprocess.Popen(self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, cwd=self.cwd)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        out: list[str] = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.append(line)
+                self.note(line.rstrip("\n"))
+            proc.wait()
+        finally:
+            timer.cancel()
+        self.note(f"[exit {proc.returncode}, {time.monotonic() - t0:.1f}s]")
+        return proc.returncode, "".join(out)
+
+
+def _upload_wheels(tb: Testbed, node: Any, wheels: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in sorted(wheels.glob("*.whl")):
+            tar.add(p, arcname=p.name)
+    argv = tb.ssh_argv(node, "rm -rf /root/dfo-wheels && mkdir -p /root/dfo-wheels && tar -xf - -C /root/dfo-wheels")
+    r = subprocess.run(argv, input=buf.getvalue(), capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-500:]
+
+
+def _story_job(tmp_path: Path, endpoint: str) -> Path:
+    """jobs/demo-outputs.yaml with the throwaway endpoint and an absolute code.source."""
+    doc = yaml.safe_load(JOB.read_text())
+    doc["s3"]["endpoint_url"] = endpoint
+    doc["code"]["source"] = str((JOB.parent / doc["code"]["source"]).resolve())
+    out = tmp_path / "demo-outputs.yaml"
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
+def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Path) -> None:
+    tb = make_testbed(nodes=2, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a node has no namespace to vanish")
+    assert tb.s3 is not None
+    a, b = tb.nodes
+    src = tmp_path / "source"
+    write_model(src / "model")
+    write_data(src / "data")
+    tb.s3.create_bucket("demo")
+    tb.s3.put_tree("demo", "models/demo-target", src / "model")
+    tb.s3.put_tree("demo", "tokenized", src / "data")
+    for n in (a, b):
+        _upload_wheels(tb, n, DEFAULT_WHEELS)
+    job = _story_job(tmp_path, tb.s3.url)
+    s3 = tb.s3.client()
+    key = "runs/demo-outputs/ckpt-last.pt"
+    env = dict(os.environ, COLUMNS="200", AWS_ACCESS_KEY_ID=tb.s3.access_key, AWS_SECRET_ACCESS_KEY=tb.s3.secret_key)
+    shutil.copy(tb.inventory_path, tmp_path / "inventory.yaml")
+    story = Story(tmp_path, env, Path(os.environ.get("DFO_STORY_OUT") or tmp_path / "story.txt"))
+
+    # 1. dfo up on node A, with outputs: (it provisions, stages, syncs, launches and tails)
+    up_a = subprocess.Popen(story.argv("up", "-H", a.name, "-j", job.name), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        # 2. after two shipped checkpoints, A vanishes
+        etags: list[str] = []
+        deadline = time.monotonic() + 300
+        while len(etags) < 2 and time.monotonic() < deadline and up_a.poll() is None:
+            try:
+                etag = s3.head_object(Bucket="demo", Key=key)["ETag"]
+            except ClientError:
+                etag = None
+            if etag and etag not in etags:
+                etags.append(etag)
+            time.sleep(0.2)
+        assert len(etags) >= 2, f"not two shipped checkpoints in 300 s (dfo up: {up_a.poll()})"
+        story.run("outputs", "-H", a.name, "-j", job.name)
+        r = story.run("outputs", "-H", a.name, "-j", job.name, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (_shipped_files(json.loads(r.stdout)) or 0) >= 2, r.stdout
+        before = {p: tsys.cmdline(p) for p in tb.node_pids(a)}
+        for what in ("sshd", "remote.supervisor", "train.py", "remote.shipper"):
+            assert any(what in c for c in before.values()), f"no {what} on {a.name}: {sorted(before.values())}"
+        story.note(f"(node {a.name} vanishes: tb.vanish)")
+        killed = tb.vanish(a)
+        assert killed and not [p for p in before if tsys.pid_alive(p)]
+    finally:
+        if up_a.poll() is None:  # the laptop's `dfo up` on A is still following a dead node: Ctrl-C
+            time.sleep(15)  # (it would retry for 5 minutes)
+            up_a.send_signal(signal.SIGINT)
+        try:
+            out_a, _ = up_a.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            up_a.kill()
+            out_a, _ = up_a.communicate()
+        story.note(f"$ dfo up -H {a.name} -j {job.name}\n{out_a}[exit {up_a.returncode}]")
+    shipped = s3.get_object(Bucket="demo", Key=key)["Body"].read()
+    step = ckpt_step(shipped)
+    assert 0 < step < MAX_STEPS, f"the last shipped checkpoint is at step {step}"
+    story.note(f"(the last checkpoint A shipped, s3://demo/{key}: step {step})")
+    r = story.run("status", "-H", a.name, timeout=60)
+    assert r.returncode == 4, r.stdout + r.stderr
+
+    # 3. dfo up on a fresh node B with the same job resumes at the last shipped step
+    code, out = story.stream("up", "-H", b.name, "-j", job.name, timeout=900)
+    assert code == 0, out[-4000:]
+    assert re.search(r"restore: \d+ files?.* from s3://demo/runs/demo-outputs/", out), out[-4000:]
+    assert f"resumed from {CKPT_DIR}/ckpt-last.pt at step {step}\n" in out, out[-4000:]
+    after = out.split("resumed from", 1)[1]
+    assert int(re.findall(r"^step (\d+) loss", after, re.M)[0]) > step  # it went on from there, not from 0
+    assert f"done: {MAX_STEPS} steps" in out
+    # 4. the last pass ships the final checkpoint, and dfo pull brings it here byte-identical
+    assert re.search(r"outputs: last pass shipped \d+ files? .* to s3://demo/runs/demo-outputs/", out), out[-4000:]
+    final = s3.get_object(Bucket="demo", Key=key)["Body"].read()
+    assert ckpt_step(final) == MAX_STEPS
+    r = tb.ssh(b, f"sha256sum {CKPT_DIR}/ckpt-last.pt")
+    assert r.returncode == 0, r.stderr
+    on_node = r.stdout.split()[0]
+    assert on_node == hashlib.sha256(final).hexdigest()
+    run_b = re.findall(r"started run (\S+)", out)[0]
+    r = story.run("pull", "-H", b.name, "-j", job.name, timeout=300)  # into ./runs/RUN/
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = (tmp_path / "runs" / run_b / "ckpt-last.pt").read_bytes()
+    assert hashlib.sha256(got).hexdigest() == on_node
+    story.run("outputs", "-H", b.name, "-j", job.name)
