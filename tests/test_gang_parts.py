@@ -22,7 +22,8 @@ from orchestrator.config import Job, ResolvedHost
 from orchestrator.errors import EXIT_USAGE, ConfigError, UsageError
 from orchestrator.steps.gang import address_problems, plan_gang, preflight_problems
 from remote import gang as rgang
-from remote.gangwatch import GangWatch, _Chan, _mac
+from remote.gangwatch import GangWatch
+from remote.gangwire import _Chan, _mac
 
 ROOT = Path(__file__).resolve().parent.parent
 # a watch thread that dies on a stranger's bytes is a failure here, not a warning
