@@ -129,8 +129,14 @@ class HostSession:
         gate = threading.Semaphore(parallel or len(names))
 
         def run(name: str) -> None:
-            with gate:
-                out = one(name)
+            try:
+                with gate:
+                    out = one(name)
+            except BaseException as exc:  # noqa: BLE001 - a SystemExit in a worker: its host still gets an
+                #                           outcome, so the wait below never hangs
+                err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name)
+                err.exit_code = EXIT_UNEXPECTED
+                out = Outcome(name, error=err)
             results[name] = out
             done.put(out)
 

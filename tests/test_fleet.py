@@ -383,3 +383,37 @@ def test_exec_a_lost_link_is_exit_4_for_that_host_and_its_command_ends(testbed2,
     while node_pids(testbed2, n2, marker):
         assert time.monotonic() < deadline, "the command outlived its lost session"
         time.sleep(1)
+
+
+def test_each_reports_hosts_in_the_order_they_finish_and_never_hangs(tmp_path: Path) -> None:
+    """HostSession.each: on_done runs (in the caller's thread) for a host as soon as it is done: the
+    slow host here cannot finish until the fast host's on_done has run. A worker that dies of a
+    BaseException still gives its host an outcome (exit 1) instead of leaving the wait hanging."""
+    from orchestrator.config import load_inventory
+    from orchestrator.hosts import HostSession
+
+    p = tmp_path / "inventory.yaml"
+    p.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}}}\nhosts:\n  slow: {{transport: local}}\n"
+                 "  fast: {transport: local}\n  dies: {transport: local}\n")
+    inv, path = load_inventory(p)
+    s = HostSession.from_inventory(inv, path, ["slow", "fast", "dies"])
+    fast_reported = threading.Event()
+    seen: list[tuple[str, bool]] = []
+
+    def fn(conn: Any) -> str:
+        if conn.name == "slow":
+            assert fast_reported.wait(30)
+        if conn.name == "dies":
+            raise SystemExit(3)
+        return conn.name
+
+    def on_done(o: Any) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        seen.append((o.host, o.error is None))
+        if o.host == "fast":
+            fast_reported.set()
+
+    outs = s.each(fn, on_done=on_done)
+    assert [o.host for o in outs] == ["slow", "fast", "dies"]  # the list keeps -H order
+    assert seen.index(("fast", True)) < seen.index(("slow", True))
+    assert ("dies", False) in seen and outs[2].exit_code == 1 and outs[0].value == "slow"
