@@ -120,14 +120,6 @@ def oenv(testbed: Testbed, tmp_path: Path) -> OutEnv:
     testbed.node_exec(env.node, f"rm -rf {shlex.quote(env.base)} {shlex.quote(env.base)}-*")
 
 
-def node_has_shipper() -> bool:
-    """The node side of issue 12 (remote/shipper.py and the supervisor's wiring) is in this checkout."""
-    root = Path(__file__).resolve().parent.parent / "remote"
-    return (root / "shipper.py").exists() and "shipper" in (root / "supervisor.py").read_text()
-
-
-needs_shipper = pytest.mark.skipif(not node_has_shipper(), reason="remote/shipper.py is not wired in yet")
-
 
 # --------------------------------------------------------------------------- restore before launch
 
@@ -217,7 +209,6 @@ def test_a_bad_outputs_field_is_exit_2_with_file_line(tmp_path: Path, field: str
 
 
 @on_testbed
-@needs_shipper
 def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> None:
     job, name = oenv.job(n=3, wait=60, every=600)  # no pass on schedule in this test: --ship makes them
     launched = oenv.json("launch", "-H", oenv.node.name, "-j", str(job))
@@ -266,7 +257,6 @@ def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> N
 
 
 @on_testbed
-@needs_shipper
 def test_tail_and_up_exit_3_when_the_run_succeeded_but_its_last_pass_failed(oenv: OutEnv) -> None:
     job, name = oenv.job(n=1, dest=f"s3://nosuchbucket-{oenv.id}/runs/{{name}}/", restore=False,
                          venv=f"{oenv.base}/venv")
