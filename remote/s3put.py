@@ -36,6 +36,7 @@ from remote.s3errors import S3Error, strip_ns
 
 MIB = 1 << 20
 CHUNK = 4 * MIB  # hashing granularity (the governor is asked between chunks)
+MAX_PARTS = 10000  # S3's limit per multipart upload
 MEMORY = 256 * MIB  # file content held in memory at once, at most (or threshold + one part, if more)
 PLAIN_ETAG = re.compile(r"^[0-9a-fA-F]{32}$")
 MULTI_ETAG = re.compile(r"^[0-9a-fA-F]{32}-(\d+)$")
@@ -44,6 +45,13 @@ OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 class Changed(Exception):
     """The file changed while it was read or sent."""
+
+
+def part_size_for(size, part_size):
+    """The part size for a file of ``size`` bytes: ``part_size``, or bigger (whole MiB) when S3's limit of
+    10,000 parts would be passed (a 16 MiB part size reaches it at 156 GiB)."""
+    need = -(-size // MAX_PARTS)
+    return max(part_size, -(-need // MIB) * MIB)
 
 
 def content_md5(digest):
@@ -223,7 +231,8 @@ class Uploader:
 
     # ------------------------------------------------------------------ multipart
     def _multipart(self, fd, item, st):
-        key, size, psize = item["key"], st.st_size, self.part_size
+        key, size = item["key"], st.st_size
+        psize = part_size_for(size, self.part_size)
         whole = hashlib.sha256()
         off = 0
         while off < size:  # sha256 of the whole file first: it goes in the object's metadata
@@ -246,8 +255,8 @@ class Uploader:
         try:
             nparts = (size + psize - 1) // psize
             halt = threading.Event()  # a part failed: the others not yet started are not sent
-            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i, min(psize, size - i * psize), halt)
-                       for i in range(nparts)]
+            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i * psize, i, min(psize, size - i * psize),
+                                              halt) for i in range(nparts)]
             results, first = [], None
             for fut in futures:
                 try:
@@ -292,18 +301,18 @@ class Uploader:
             raise S3Error("verify", "%s: CreateMultipartUpload gave no UploadId" % self.client.where(self.bucket, key))
         return upload_id
 
-    def _part(self, fd, key, upload_id, i, length, halt):
+    def _part(self, fd, key, upload_id, off, i, length, halt):
         if self.stop.is_set() or halt.is_set():
             raise Stopped()
         held = self.memory.take(length)
         try:
-            return self._part_held(fd, key, upload_id, i, length, halt)
+            return self._part_held(fd, key, upload_id, off, i, length, halt)
         finally:
             self.memory.give(held)
 
-    def _part_held(self, fd, key, upload_id, i, length, halt):
+    def _part_held(self, fd, key, upload_id, off, i, length, halt):
         self.governor.throttle()
-        data = _read_at(fd, i * self.part_size, length)
+        data = _read_at(fd, off, length)
         md5 = hashlib.md5(data).digest()
         sha = hashlib.sha256(data).hexdigest()
         query = [("partNumber", str(i + 1)), ("uploadId", upload_id)]

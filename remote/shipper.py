@@ -25,7 +25,7 @@ import time
 from remote.fsutil import human_bytes
 from remote.retry import Stopped, retry
 from remote.s3client import S3Error, split_s3_url
-from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads
+from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads, part_size_for
 from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, scan, settled
 from remote.shipstate import ENDED, ERRORS_KEPT, OUTPUTS_JSON, State, iso  # noqa: F401 - re-exported
 
@@ -197,8 +197,9 @@ class Shipper:
             parts = etag.rsplit("-", 1)[1] if "-" in etag else None
             try:
                 mine = None
-                if parts is None or (parts.isdigit() and int(parts) == max(1, -(-st.st_size // psize))):
-                    mine = local_etag(path, st.st_size, psize, parts is not None, governor=self.governor)
+                fsize = part_size_for(st.st_size, psize)
+                if parts is None or (parts.isdigit() and int(parts) == max(1, -(-st.st_size // fsize))):
+                    mine = local_etag(path, st.st_size, fsize, parts is not None, governor=self.governor)
                 sha = None
                 if mine != etag:
                     sha = obj.get("sha256") if "sha256" in obj else self._meta_sha256(bucket, prefix + rel)

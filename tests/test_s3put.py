@@ -288,3 +288,13 @@ def test_the_memory_budget() -> None:
     up = Uploader(None, "b", concurrency=32, part_size=16 * MIB, threshold=64 * MIB)
     assert up.memory.limit == 256 * MIB  # the defaults: 32 x 16 MiB parts would be 512 MiB
     assert Uploader(None, "b", concurrency=4, part_size=16 * MIB, threshold=64 * MIB).memory.limit == 80 * MIB
+
+
+def test_the_part_size_grows_past_10000_parts() -> None:
+    from remote.s3put import part_size_for
+
+    assert part_size_for(100 * MIB, 16 * MIB) == 16 * MIB
+    assert part_size_for(156 * 1024 * MIB, 16 * MIB) == 16 * MIB  # 9,984 parts
+    big = 200 * 1024 * MIB
+    size = part_size_for(big, 16 * MIB)
+    assert size % MIB == 0 and -(-big // size) <= 10000 and size == 21 * MIB
