@@ -143,6 +143,8 @@ def test_the_process_protocol(s3: S3Endpoint, bucket: str, tmp_path: Path, procs
     procs.append(sp)
     doc = sp.wait_passes(1)
     assert doc["pid"] == sp.proc.pid and doc["state"] == "idle" and doc["dest"] == spec["dest"]
+    for what in ("cmdline", "environ"):  # the credentials came on stdin: not in argv, not in the environment
+        assert s3.secret_key.encode() not in Path(f"/proc/{sp.proc.pid}/{what}").read_bytes()
     assert doc["last_pass"]["status"] == "shipped" and doc["last_pass"]["files"] == 1
     assert doc["shipped"] == {"files": 1, "bytes": 300_000} and doc["lag_s"] == 0.0 and doc["errors"] == []
     got = objects(s3, bucket)
