@@ -36,12 +36,13 @@ import sys
 import threading
 import time
 
+from remote.gang import _wildcard
 from remote.gangwire import _Chan, _lines, _mac, _num, _read_line, _same
 
 
 class GangWatch(object):
     def __init__(self, rank, hosts, hub, port, secret, stop, gang_id="", interval=2.0, silence=20.0,
-                 join_timeout=120.0, on_event=None, bind=""):
+                 join_timeout=30.0, on_event=None, bind=""):
         if len(secret) < 16:
             raise ValueError("the gang secret must be at least 16 bytes")
         self.rank, self.hosts, self.host = rank, list(hosts), hosts[rank]
@@ -105,10 +106,14 @@ class GangWatch(object):
 
     def start(self):
         if self.rank == 0:
-            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((self.bind, self.port))
-            self._listener.listen(64)
+            if self.bind:
+                self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listener.bind((self.bind, self.port))
+                self._listener.listen(64)
+            else:  # every address of the node, IPv6 and IPv4, as torchrun's store listens
+                self._listener = _wildcard(self.port)
+                self._listener.setblocking(True)
             self.port = self._listener.getsockname()[1]
             self._spawn(self._accept_loop)
             self._spawn(self._hub_ticker)
@@ -365,7 +370,7 @@ def _run(spec):
     emit({"event": "trainer", "pid": proc.pid})
     w = GangWatch(int(spec["rank"]), spec["hosts"], spec["hub"], int(spec["port"]), bytes.fromhex(spec["secret"]),
                   stop, gang_id=spec.get("gang_id", ""), interval=float(spec.get("interval", 2)),
-                  silence=float(spec.get("silence", 20)), join_timeout=float(spec.get("join_timeout", 120)),
+                  silence=float(spec.get("silence", 20)), join_timeout=float(spec.get("join_timeout", 30)),
                   on_event=emit).start()
     code = proc.wait()
     w.trainer_ended(code)

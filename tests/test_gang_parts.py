@@ -336,6 +336,17 @@ def test_lines_without_the_secret_are_ignored() -> None:
         g.close()
 
 
+def test_a_member_that_never_joins_is_lost() -> None:
+    stopped = threading.Event()
+    hub = GangWatch(0, ["node-1", "node-2"], "127.0.0.1", 0, secrets.token_bytes(32), stopped.set, bind="127.0.0.1",
+                    interval=0.1, silence=1.0, join_timeout=1.0).start()
+    try:
+        assert stopped.wait(10)
+        assert hub.first_failure == {"host": "node-2", "how": "lost"} and hub.state()["members"] == {"node-2": "lost"}
+    finally:
+        hub.close()
+
+
 def _spawn(rank: int, hosts: list[str], port: int, secret: bytes, command: list[str],
            **kw: Any) -> subprocess.Popen[str]:
     spec = dict(FAST, rank=rank, hosts=hosts, hub="127.0.0.1", port=port, secret=secret.hex(), gang_id="run-p",
