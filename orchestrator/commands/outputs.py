@@ -38,7 +38,7 @@ def render_outputs(host: str, r: OutputsReport) -> None:
                           soft_wrap=True, highlight=False)
         lag = f"; lag {r.lag_s:.0f}s" if r.lag_s is not None else ""
         console.print(f"  shipped {files(r.shipped.get('files', 0))} ({human_bytes(r.shipped.get('bytes', 0))}) in "
-                      f"{r.passes} passes ({r.failed_passes} failed); {r.pending} pending{lag}", soft_wrap=True,
+                      f"{r.passes} pass{'es' if r.passes != 1 else ''} ({r.failed_passes} failed); {r.pending} pending{lag}", soft_wrap=True,
                       highlight=False)
         for label, p in (("last pass", r.last_pass), ("final pass", r.final)):
             if not p or (label == "last pass" and r.final and p.get("n") == r.final.get("n")):
