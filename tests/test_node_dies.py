@@ -300,13 +300,16 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
     assert re.search(r"outputs: last pass shipped \d+ files? .* to s3://demo/runs/demo-outputs/", out), out[-4000:]
     final = s3.get_object(Bucket="demo", Key=key)["Body"].read()
     assert ckpt_step(final) == MAX_STEPS
-    r = tb.ssh(b, f"sha256sum {CKPT_DIR}/ckpt-last.pt")
-    assert r.returncode == 0, r.stderr
-    on_node = r.stdout.split()[0]
+    r_node = tb.ssh(b, f"sha256sum {CKPT_DIR}/ckpt-last.pt")
+    assert r_node.returncode == 0, r_node.stderr
+    on_node = r_node.stdout.split()[0]
     assert on_node == hashlib.sha256(final).hexdigest()
     run_b = re.findall(r"started run (\S+)", out)[0]
     r = story.run("pull", "-H", b.name, "-j", job.name, timeout=300)  # into ./runs/RUN/
     assert r.returncode == 0, r.stdout + r.stderr
     got = (tmp_path / "runs" / run_b / "ckpt-last.pt").read_bytes()
     assert hashlib.sha256(got).hexdigest() == on_node
+    here = subprocess.run(["sha256sum", f"runs/{run_b}/ckpt-last.pt"], cwd=tmp_path, capture_output=True, text=True)
+    story.note(f"$ sha256sum runs/{run_b}/ckpt-last.pt\n{here.stdout}(on {b.name}: {r_node.stdout.strip()}; "
+               f"the S3 object s3://demo/{key}: sha256 {hashlib.sha256(final).hexdigest()}, step {MAX_STEPS})")
     story.run("outputs", "-H", b.name, "-j", job.name)
