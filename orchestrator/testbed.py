@@ -15,8 +15,8 @@ As root with `ip netns` (use_netns=None picks it when usable) each node is:
 The S3 server (see testbed_s3) listens on the bridge address, reachable from nodes and controller.
 How sshd is configured and started lives in testbed_node; processes and namespaces in testbed_sys.
 
-Beyond the core API: tb.ssh(node, cmd) / tb.ssh_argv(node, *cmd) (the system ssh client with the
-testbed key, accept-new), tb.host_public_key(node), tb.isolated, tb.bridge_address, tb.timings.
+Beyond the core API: tb.ssh(node, cmd) / tb.ssh_argv(node, *cmd) (the system ssh client with the testbed
+key, accept-new), tb.host_public_key(node), tb.isolated, tb.bridge_address, tb.timings, tb.vanish(node).
 
 Without root or netns (use_netns=False) sshd listens on 127.0.0.1:<free port> as the current
 user, with no private mounts: the node sees this machine's files, /dev/shm is the host's (no
