@@ -322,27 +322,45 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
 @click.argument("run")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Seconds between SIGTERM and SIGKILL (default: the run's job run.stop_grace, 30).")
+@click.option("--outputs-wait", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="With outputs.dest: wait this long for the stopped run's last pass (0: do not wait).")
 @job_option(required=False)
 @json_option
 @click.pass_context
-def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float | None, job_path: str | None,
-             as_json: bool) -> int:
+def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float | None, outputs_wait: float,
+             job_path: str | None, as_json: bool) -> int:
     """Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period.
 
     The run is recorded as stopped (dfo status shows it so). A run that has already ended is
     left as it is (exit 0, says so). RUN is an id or its unique prefix. With -j, the run is
-    looked up in the job's workspace.
+    looked up in the job's workspace. A run with outputs.dest gets one last pass after the
+    trainer has stopped (it ships the checkpoint the trainer left): stop waits for it (up to
+    --outputs-wait) and says how it went, so the node can be let go once stop returns.
 
     \b
-    Exit codes: 0 stopped (or had already ended); 2 bad usage or no such run; 4 host
-    unreachable.
+    Exit codes: 0 stopped (or had already ended); 2 bad usage or no such run; 3 the last
+    outputs pass failed or did not finish within --outputs-wait; 4 host unreachable.
     """
     run = _given_run(run, "stop") or ""
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
     def one(conn: Connection) -> steps.RunInfo:
-        return steps.stop(conn, _workspace(conn, loaded), run, grace, job=loaded.job.name if loaded else None)
+        return steps.stop(conn, _workspace(conn, loaded), run, grace, job=loaded.job.name if loaded else None,
+                          outputs_wait=outputs_wait)
+
+    def shipped(r: steps.RunInfo) -> tuple[str, bool] | None:
+        """How the stopped run's last outputs pass went (None: no outputs, or nothing was stopped)."""
+        from orchestrator.steps.outputs import final_line
+
+        if not r.outputs or (r.stop and r.stop.startswith("nothing to stop")):
+            return None
+        if outputs_wait == 0:
+            return "outputs: not waited for (--outputs-wait 0); dfo outputs shows the last pass", False
+        line = final_line(r.outputs)
+        if line and r.outputs.get("state") not in ("done", "failed"):
+            return f"outputs: the last pass did not finish within {outputs_wait:g}s; dfo outputs shows it", True
+        return line
 
     def render(host: str, r: steps.RunInfo) -> None:
         if r.stop and r.stop.startswith("nothing to stop"):
@@ -351,10 +369,15 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
         left = f"; {len(r.group_left)} processes of its group remain!" if r.group_left else ""
         console.print(f"[bold]{safe(host)}[/]: run {safe(r.id)} {state_markup(r.state)} "
                       f"({safe(r.stop)}; {r.stop_seconds or 0:.1f}s){left}", soft_wrap=True)
+        line = shipped(r)
+        if line:
+            console.print(f"[bold]{safe(host)}[/]: {safe(line[0])}", soft_wrap=True)
 
     with sess:
         outcomes = sess.each(one)
-    return emit(outcomes, as_json, lambda r: steps.StopReport.of(r).model_dump(), render)
+    code = emit(outcomes, as_json, lambda r: steps.StopReport.of(r).model_dump(), render)
+    failed = any(o.value is not None and (s := shipped(o.value)) is not None and s[1] for o in outcomes)
+    return max(code, 3) if failed else code
 
 
 COMMANDS = [launch_cmd, tail_cmd, status_cmd, stop_cmd]

@@ -151,10 +151,12 @@ class StopReport(BaseModel):
     stop: str | None
     seconds: float | None
     group_left: list[int] | None
+    outputs: dict[str, Any] | None = None  # the run's outputs record after its last pass (or the wait)
 
     @classmethod
     def of(cls, r: RunInfo) -> StopReport:
-        return cls(run=r.id, state=r.state, stop=r.stop, seconds=r.stop_seconds, group_left=r.group_left)
+        return cls(run=r.id, state=r.state, stop=r.stop, seconds=r.stop_seconds, group_left=r.group_left,
+                   outputs=r.outputs)
 
 
 # --------------------------------------------------------------------------- job -> request
@@ -305,10 +307,13 @@ def status(conn: Connection, workspace: str, run: str | None = None, job: str | 
     return [RunInfo.model_validate(r) for r in data["runs"]]
 
 
-def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None) -> RunInfo:
-    timeout = (grace if grace is not None else 300.0) + 60
+def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None,
+         outputs_wait: float = 0) -> RunInfo:
+    """Stop the run; with ``outputs_wait`` > 0, also wait up to that long for a stopped run's last
+    outputs pass (it ships the checkpoint the trainer left)."""
+    timeout = (grace if grace is not None else 300.0) + 60 + outputs_wait
     data = run_module(conn, MODULE, {"op": "stop", "workspace": workspace, "run": run, "grace": grace,
-                                     "job": job}, timeout=timeout)
+                                     "job": job, "wait_outputs": outputs_wait or None}, timeout=timeout)
     return RunInfo.model_validate(data)
 
 
