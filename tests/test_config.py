@@ -153,3 +153,23 @@ def test_cli_help_lists_every_command() -> None:
     assert res.exit_code == 0
     for name in ["verify-env", "provision", "stage-model", "sync-data", "launch", "tail", "status", "stop", "up", "demo"]:
         assert name in res.output
+
+
+@pytest.mark.parametrize("field,line", [
+    ("nodes: 2", "run.nodes: 2: this version of dfo cannot launch a gang"),
+    ("launcher: torchrun", "run.launcher: torchrun: not supported by this version"),
+])
+@pytest.mark.parametrize("command", ["launch", "up"])
+def test_a_gang_job_is_refused_before_any_host(tmp_path: Path, capfd: pytest.CaptureFixture[str], command: str,
+                                               field: str, line: str) -> None:
+    """run.nodes > 1 / launcher: torchrun are in the job format but not wired: exit 2 with file:line,
+    never N unrelated runs (the host does not exist: no host may be touched before the refusal)."""
+    from orchestrator.cli import main
+
+    inv = write(tmp_path, "inventory.yaml", "hosts: {ghost: {host: 192.0.2.1}}\n")
+    job = write(tmp_path, "gang.yaml", f"name: gang\nrun:\n  command: echo hi\n  {field}\n")
+    with pytest.raises(SystemExit) as ei:
+        main(["-i", str(inv), command, "-H", "ghost", "-j", str(job)])
+    assert ei.value.code == 2
+    err = capfd.readouterr().err.replace("\n", "")
+    assert f"{job}:4: {line}" in err and "Traceback" not in err

@@ -38,10 +38,28 @@ def check_uploads(loaded: LoadedJob) -> None:
             raise ConfigError(f"{loaded.path}:{line}: run.upload.{i}: {rel!r} {problem[0]}", hint=problem[1])
 
 
+def check_gang(loaded: LoadedJob) -> None:
+    """run.nodes > 1 and launcher: torchrun are in the job format, but this version cannot launch a
+    gang yet: refuse (exit 2) rather than start N unrelated runs."""
+    run = loaded.job.run
+    if run is None:
+        return
+    if run.nodes > 1:
+        line = line_in_file(loaded.path, ("run", "nodes"))
+        raise ConfigError(f"{loaded.path}:{line}: run.nodes: {run.nodes}: this version of dfo cannot launch a gang "
+                          "over several nodes yet", hint="set nodes: 1 (docs/gangs.md says what exists so far)")
+    if run.launcher != "none":
+        line = line_in_file(loaded.path, ("run", "launcher"))
+        raise ConfigError(f"{loaded.path}:{line}: run.launcher: {run.launcher}: not supported by this version of dfo yet",
+                          hint="start torchrun in run.command ({python} -m torch.distributed.run --standalone ...), "
+                               "as jobs/demo-ddp-gpu.yaml does")
+
+
 def check_run(loaded: LoadedJob) -> None:
-    """The run: section as launch needs it, beyond its fields: upload files, secret variables."""
+    """The run: section as launch needs it, beyond its fields: gang fields, upload files, secret variables."""
     if loaded.job.run is None:
         return
+    check_gang(loaded)
     check_uploads(loaded)
     split_env(loaded)
 
