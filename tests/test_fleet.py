@@ -217,19 +217,27 @@ def node_pids(tb: Any, node: Any, marker: str) -> list[int]:
 
 def test_exec_streams_each_host_and_a_timeout_kills_the_slow_hosts_group(testbed2, tmp_path: Path
                                                                          ) -> None:  # type: ignore[no-untyped-def]
-    """node-1 ends at once, node-2 sleeps: node-1's output and exit status are printed while node-2's
-    sleep still runs; at --timeout node-2's whole group (the shell and its sleep) is killed, status
-    124, and dfo exits 124 (the highest)."""
+    """node-2 sleeps; node-1 ends as soon as node-2's sleep runs (the test tells it so): node-1's output
+    and exit status are printed while node-2's sleep still runs; at --timeout node-2's whole group
+    (the shell and its sleep) is killed, status 124, and dfo exits 124 (the highest)."""
     n1, n2 = testbed2.nodes[0], testbed2.nodes[1]
     inv = fleet_inventory(testbed2, tmp_path)
     marker = f"fleetsleep{secrets.token_hex(3)}"
-    script = (f'echo "hello from $(hostname)"; echo "warn from $(hostname)" >&2; '
-              f'if [ "$(hostname)" = {n2.name} ]; then sleep 300 & wait; fi; echo done')
+    go = f"/root/go-{marker}"
     # the sleep's argv carries the marker so the node can be asked whether it still runs
-    script = script.replace("sleep 300", f"exec -a {marker} sleep 300")
+    script = (f'echo "hello from $(hostname)"; echo "warn from $(hostname)" >&2; '
+              f'if [ "$(hostname)" = {n2.name} ]; then exec -a {marker} sleep 300 & wait; fi; '
+              f'i=0; while [ ! -e {go} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.1; done; echo done')
     assert testbed2.node_exec(n2, "hostname").stdout.strip() == n2.name  # the test's premise
 
-    w = Watched(argv(inv, "exec", "-H", n1.name, "-H", n2.name, "--timeout", "15", "--", "bash", "-c", script),
+    def release_node1() -> None:
+        deadline = time.monotonic() + 60
+        while not node_pids(testbed2, n2, marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        testbed2.node_exec(n1, f"touch {go}")
+
+    threading.Thread(target=release_node1, daemon=True).start()
+    w = Watched(argv(inv, "exec", "-H", n1.name, "-H", n2.name, "--timeout", "25", "--", "bash", "-c", script),
                 env_for(None), lambda: bool(node_pids(testbed2, n2, marker)))
     rc = w.wait()
     out, err = w.text("out"), w.text("err")
