@@ -135,3 +135,60 @@ def test_pull_resumes_and_checks_the_whole_file(penv: PullEnv, tmp_path: Path) -
     assert r["resumed"] == 1 and r["bytes"] == (400 << 20) - have
     assert sha(to / "out/big.bin") == penv.node_sha("out/big.bin")
     assert list(parts.glob("*.part")) == []
+
+
+OUT_WRITER = """\
+import os, sys
+os.makedirs(os.path.join(sys.argv[1], "sub"), exist_ok=True)
+open(os.path.join(sys.argv[1], "ckpt-1.bin"), "wb").write(os.urandom(200000))
+open(os.path.join(sys.argv[1], "sub", "opt.txt"), "w").write("opt\\n")
+open("in-workdir.txt", "w").write("not an output\\n")
+print("wrote", flush=True)
+"""
+
+
+def test_pull_without_job_defaults_to_the_runs_outputs_path(testbed: Testbed, tmp_path: Path) -> None:
+    """A run with outputs: pull -H HOST RUN (no -j) fetches outputs.path, as the run's record on the node says."""
+    if testbed.s3 is None or not testbed.isolated:
+        pytest.skip("needs the testbed's S3 server and nodes with their own /workspace")
+    node, s3 = testbed.nodes[0], testbed.s3
+    inv = inventory_copy(testbed, tmp_path)
+    tag = secrets.token_hex(3)
+    bucket, base, workdir = f"pull-{tag}", f"/workspace/pullout-{tag}", f"/root/pullout-{tag}"
+    s3.create_bucket(bucket)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "writer.py").write_text(OUT_WRITER)
+    name = f"po-{tag}"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": name, "venv": "/usr", "code": {"source": "src"},
+        "s3": {"endpoint_url": s3.url, "region": s3.region},
+        "outputs": {"path": f"{base}/{{name}}", "dest": f"s3://{bucket}/runs/{{name}}/", "every": 1, "settle": 0},
+        "run": {"workdir": workdir, "command": f"python3 writer.py {base}/{name}", "wait": 0}}))
+    env = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+           "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    try:
+        r = dfo(inv, "launch", "-H", node.name, "-j", str(job), "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        run = json.loads(r.stdout)["hosts"][node.name]["run"]
+        r = dfo(inv, "tail", "-H", node.name, run, timeout=120, env=env)  # until the run and its last pass end
+        assert r.returncode == 0, r.stdout + r.stderr
+        to = tmp_path / "got"
+        r = dfo(inv, "pull", "-H", node.name, run, "--to", str(to), "--json", timeout=300)  # no -j
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)["hosts"][node.name]
+        assert doc["source"] == f"{base}/{name}" and doc["fetched"] == 2, doc
+        got = sorted(str(p.relative_to(to)) for p in to.rglob("*") if p.is_file() and ".dfo" not in p.parts)
+        assert got == ["ckpt-1.bin", "sub/opt.txt"]
+        on_node = testbed.node_exec(node, f"sha256sum {base}/{name}/ckpt-1.bin")
+        assert on_node.returncode == 0 and sha(to / "ckpt-1.bin") == on_node.stdout.split()[0]
+        # the newest run (no RUN, no -j) into ./runs/RUN/: the same files
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "pull", "-H", node.name],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert sha(tmp_path / "runs" / run / "ckpt-1.bin") == on_node.stdout.split()[0]
+        assert not (tmp_path / "runs" / run / "in-workdir.txt").exists()
+    finally:
+        testbed.node_exec(node, f"rm -rf {base} {workdir}")

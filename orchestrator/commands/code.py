@@ -109,8 +109,8 @@ def pull_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, paths:
     """Copy a run's files from the node to this machine, verified (default ./runs/RUN/).
 
     RUN is a run id or its unique prefix (default: the newest run, of the job with -j). The
-    files are those under the run's outputs.path when the job (-j) has outputs:, else under the
-    run's workdir; PATH... (relative to that folder) narrows them. Files already here as an
+    files are those under the run's outputs.path (as its record on the node says, or the
+    job's with -j), else under the run's workdir; PATH... (relative to that folder) narrows them. Files already here as an
     earlier pull left them, and unchanged on the node, are skipped. Each file is checked by
     sha256 on arrival (the node hashes the whole file as it reads it), then renamed into
     place. An interrupted pull keeps its partial files (DIR/.dfo/partial/): the next one

@@ -1,8 +1,8 @@
 """dfo pull on the controller: a run's files from the node to this machine, verified, resumable.
 
 1. One command lists the files under the run's folder (``remote.pullfiles`` op ``list``): the
-   run's outputs.path when the job (-j) has ``outputs:``, else the run's workdir, as its record
-   on the node says.
+   run's outputs.path as its record on the node says (a run that ships: outputs.dest), else the
+   job's (-j) outputs.path, else the run's workdir.
 2. Files already here as dfo pulled them (same size and mtime on the node as recorded in
    DIR/.dfo/pull-manifest.json, and the local copy unchanged since) are skipped.
 3. One more command sends the rest as a stream of events; each file goes to
@@ -55,6 +55,12 @@ def _check_rel(rel: str) -> str:
     if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or parts[0].startswith(".dfo"):
         raise VerifyError(f"pull: the node listed an unsafe name {rel!r}; nothing was written for it")
     return rel
+
+
+def _recorded_path(outputs: dict[str, Any] | None) -> str | None:
+    """outputs.path as the run's record on the node holds it (``{name}``/``{run_id}`` expanded at launch)."""
+    path = (outputs or {}).get("path")
+    return path if isinstance(path, str) and path else None
 
 
 def _outputs_path(loaded: LoadedJob | None, run_id: str) -> str | None:
@@ -155,7 +161,7 @@ def pull(conn: Connection, *, run: str | None, paths: list[str], to: str | None,
     t0 = time.monotonic()
     workspace = job_workspace(loaded.job if loaded is not None else None, conn.host.workspace)
     info = status(conn, workspace, run=run, job=loaded.job.name if loaded is not None else None, limit=1)[0]
-    source = _outputs_path(loaded, info.id) or info.workdir
+    source = _recorded_path(info.outputs) or _outputs_path(loaded, info.id) or info.workdir
     if not source:
         raise ConfigError(f"run {info.id}: its record on the node names no workdir", host=conn.name)
     dest = Path(to) if to else Path("runs") / info.id
