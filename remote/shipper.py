@@ -286,8 +286,8 @@ def run_pass(spec, run_dir, final=False, stop=None):
 def describe(p, dest):
     if not p["ok"]:
         return "pass %d FAILED: %s" % (p["n"], p["error"])
-    return "pass %d: shipped %d files (%s) to %s in %.1f s%s" % (
-        p["n"], p["files"], human_bytes(p["bytes"]), dest, p["seconds"],
+    return "pass %d: shipped %d file%s (%s) to %s in %.1f s%s" % (
+        p["n"], p["files"], "" if p["files"] == 1 else "s", human_bytes(p["bytes"]), dest, p["seconds"],
         ", %d waiting to settle" % p["pending"] if p["pending"] else "")
 
 

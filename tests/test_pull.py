@@ -192,3 +192,33 @@ def test_pull_without_job_defaults_to_the_runs_outputs_path(testbed: Testbed, tm
         assert not (tmp_path / "runs" / run / "in-workdir.txt").exists()
     finally:
         testbed.node_exec(node, f"rm -rf {base} {workdir}")
+
+
+def test_reports_say_1_file_not_1_files(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shared report printer (sync-data, stage-model, sync-code), pull's and the shipper's pass line."""
+    from orchestrator.commands.code import render_pull
+    from orchestrator.commands.report_view import print_moved
+    from orchestrator.steps.pull import PullReport
+    from orchestrator.steps.report import MoveReport
+    from remote.shipper import describe
+
+    def text(fn: Any) -> str:
+        capsys.readouterr()
+        fn()
+        return " ".join(capsys.readouterr().out.split())
+
+    one = dict(host="n1", status="done", fetched=1, skipped=0, bytes=10, seconds=1.0, mb_per_s=0.0, dest="d",
+               source="s", files_total=1, bytes_total=10)
+    out = text(lambda: print_moved("n1", "sync-data", MoveReport(**one)))
+    assert "fetched 1 file (10 B)," in out, out
+    out = text(lambda: print_moved("n1", "sync-data", MoveReport(**{**one, "status": "no change", "fetched": 0})))
+    assert "no change: 1 file (10 B) in d" in out, out
+    out = text(lambda: print_moved("n1", "sync-data", MoveReport(**{**one, "fetched": 2, "files_total": 2})))
+    assert "fetched 2 files (10 B)," in out, out
+    out = text(lambda: render_pull("n1", PullReport(**one, run="r1")))
+    assert "fetched 1 file (10 B)," in out, out
+    out = text(lambda: render_pull("n1", PullReport(**{**one, "status": "no change", "fetched": 0}, run="r1")))
+    assert "no change: 1 file (10 B) in d" in out, out
+    p = {"ok": True, "n": 3, "files": 1, "bytes": 10, "seconds": 0.5, "pending": 0}
+    assert describe(p, "s3://b/") == "pass 3: shipped 1 file (10 B) to s3://b/ in 0.5 s"
+    assert describe({**p, "files": 2}, "s3://b/").startswith("pass 3: shipped 2 files (10 B)")

@@ -170,7 +170,7 @@ def test_the_process_protocol(s3: S3Endpoint, bucket: str, tmp_path: Path, procs
     assert doc["state"] == "done" and doc["final"]["final"] is True and doc["final"]["files"] == 1
     assert doc["passes"] == 4 and doc["failed_passes"] == 0
     assert objects(s3, bucket)["runs/j1/step-2.pt"] == b"x" * 1000
-    assert "pass 1: shipped 1 files" in out and "pass 4: shipped 1 files" in out
+    assert "pass 1: shipped 1 file (" in out and "pass 4: shipped 1 file (" in out
     # bookkeeping: shipped.json under PATH/.dfo, never shipped itself; no secret anywhere on disk
     rec = json.loads((root / ".dfo" / "shipped.json").read_text())["files"]
     assert set(rec) == {"step-1/model.pt", "step-2.pt"}

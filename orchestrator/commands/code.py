@@ -12,7 +12,7 @@ from remote.fsutil import human_bytes
 from ..cli_common import console, emit, err_console, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
 from ..steps.code import CodeReport, push_code, start_local
-from .report_view import print_moved, print_names
+from .report_view import files, print_moved, print_names
 
 if TYPE_CHECKING:
     from ..connection import Connection
@@ -80,13 +80,13 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
 def render_pull(host: str, r: Any) -> None:
     with _OUT:
         if r.status == "no change":
-            console.print(f"{safe(host)}: pull: [dim]no change[/]: {r.files_total} files ({human_bytes(r.bytes_total)}) "
+            console.print(f"{safe(host)}: pull: [dim]no change[/]: {files(r.files_total)} ({human_bytes(r.bytes_total)}) "
                           f"in {safe(r.dest)} match {safe(r.source)} of run {safe(r.run)} ({r.seconds:.2f}s)",
                           soft_wrap=True)
         else:
             console.print(f"{safe(host)}: pull: [green]done[/]: {safe(r.source)} (run {safe(r.run)}) -> {safe(r.dest)}",
                           soft_wrap=True)
-            console.print(f"  fetched {r.fetched} files ({human_bytes(r.bytes)}"
+            console.print(f"  fetched {files(r.fetched)} ({human_bytes(r.bytes)}"
                           + (f", {r.resumed} resumed" if r.resumed else "") + f"), skipped {r.skipped}, "
                           f"in {r.seconds:.1f}s = {r.mb_per_s:.1f} MB/s; verified: sha256 {r.fetched}", soft_wrap=True)
         if r.changed:
