@@ -222,6 +222,49 @@ def _story_job(tmp_path: Path, endpoint: str) -> Path:
     return out
 
 
+def _two_ships_then_vanish(tb: Testbed, story: Story, node: Any, job: Path, bucket: str, key: str,
+                           expect: tuple[str, ...], *, ship_timeout: float, detach_after: float) -> None:
+    """Steps 1 and 2 of the story: `dfo up` on NODE (in the background, as a laptop runs it), until S3 has
+    seen two versions of the checkpoint KEY; `dfo outputs` on it; then NODE vanishes (every process named
+    in EXPECT was running there), and the laptop's `dfo up`, still following a dead node, gets Ctrl-C
+    DETACH_AFTER seconds later (it would retry for 5 minutes)."""
+    s3 = tb.s3.client()  # type: ignore[union-attr]
+    up = subprocess.Popen(story.argv("up", "-H", node.name, "-j", job.name), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=story.env, cwd=story.cwd)
+    try:
+        etags: list[str] = []
+        deadline = time.monotonic() + ship_timeout
+        while len(etags) < 2 and time.monotonic() < deadline and up.poll() is None:
+            try:
+                etag = s3.head_object(Bucket=bucket, Key=key)["ETag"]
+            except ClientError:
+                etag = None
+            if etag and etag not in etags:
+                etags.append(etag)
+            time.sleep(0.2)
+        assert len(etags) >= 2, f"not two shipped checkpoints in {ship_timeout:.0f} s (dfo up: {up.poll()})"
+        story.run("outputs", "-H", node.name, "-j", job.name)
+        r = story.run("outputs", "-H", node.name, "-j", job.name, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (_shipped_files(json.loads(r.stdout)) or 0) >= 2, r.stdout
+        before = {p: tsys.cmdline(p) for p in tb.node_pids(node)}
+        for what in expect:
+            assert any(what in c for c in before.values()), f"no {what} on {node.name}: {sorted(before.values())}"
+        story.note(f"(node {node.name} vanishes: tb.vanish)")
+        killed = tb.vanish(node)
+        assert killed and not [p for p in before if tsys.pid_alive(p)]
+    finally:
+        if up.poll() is None:  # the laptop's `dfo up` on the node is still following a dead node: Ctrl-C
+            time.sleep(detach_after)
+            up.send_signal(signal.SIGINT)
+        try:
+            out, _ = up.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            out, _ = up.communicate()
+        story.note(f"$ dfo up -H {node.name} -j {job.name}\n{out}[exit {up.returncode}]")
+
+
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
 def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Path) -> None:
@@ -246,41 +289,9 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
     story = Story(tmp_path, env, Path(os.environ.get("DFO_STORY_OUT") or tmp_path / "story.txt"))
 
     # 1. dfo up on node A, with outputs: (it provisions, stages, syncs, launches and tails)
-    up_a = subprocess.Popen(story.argv("up", "-H", a.name, "-j", job.name), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    try:
-        # 2. after two shipped checkpoints, A vanishes
-        etags: list[str] = []
-        deadline = time.monotonic() + 300
-        while len(etags) < 2 and time.monotonic() < deadline and up_a.poll() is None:
-            try:
-                etag = s3.head_object(Bucket="demo", Key=key)["ETag"]
-            except ClientError:
-                etag = None
-            if etag and etag not in etags:
-                etags.append(etag)
-            time.sleep(0.2)
-        assert len(etags) >= 2, f"not two shipped checkpoints in 300 s (dfo up: {up_a.poll()})"
-        story.run("outputs", "-H", a.name, "-j", job.name)
-        r = story.run("outputs", "-H", a.name, "-j", job.name, "--json")
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert (_shipped_files(json.loads(r.stdout)) or 0) >= 2, r.stdout
-        before = {p: tsys.cmdline(p) for p in tb.node_pids(a)}
-        for what in ("sshd", "remote.supervisor", "train.py", "remote.shipper"):
-            assert any(what in c for c in before.values()), f"no {what} on {a.name}: {sorted(before.values())}"
-        story.note(f"(node {a.name} vanishes: tb.vanish)")
-        killed = tb.vanish(a)
-        assert killed and not [p for p in before if tsys.pid_alive(p)]
-    finally:
-        if up_a.poll() is None:  # the laptop's `dfo up` on A is still following a dead node: Ctrl-C
-            time.sleep(15)  # (it would retry for 5 minutes)
-            up_a.send_signal(signal.SIGINT)
-        try:
-            out_a, _ = up_a.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            up_a.kill()
-            out_a, _ = up_a.communicate()
-        story.note(f"$ dfo up -H {a.name} -j {job.name}\n{out_a}[exit {up_a.returncode}]")
+    # 2. after two shipped checkpoints, A vanishes
+    _two_ships_then_vanish(tb, story, a, job, "demo", key, ("sshd", "remote.supervisor", "train.py", "remote.shipper"),
+                           ship_timeout=300, detach_after=15)
     shipped = s3.get_object(Bucket="demo", Key=key)["Body"].read()
     step = ckpt_step(shipped)
     assert 0 < step < MAX_STEPS, f"the last shipped checkpoint is at step {step}"
@@ -313,3 +324,136 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
     story.note(f"$ sha256sum runs/{run_b}/ckpt-last.pt\n{here.stdout}(on {b.name}: {r_node.stdout.strip()}; "
                f"the S3 object s3://demo/{key}: sha256 {hashlib.sha256(final).hexdigest()}, step {MAX_STEPS})")
     story.run("outputs", "-H", b.name, "-j", job.name)
+
+
+# --------------------------------------------------------------------------- the story without torch (CI)
+
+# A stand-in trainer (stdlib only): resumes from --output-dir/ckpt-last.json when it is there, takes a step
+# every --sleep seconds (its state: a sha256 chain over the steps, so a resumed run ends in the same state as
+# one never interrupted), checkpoints every --save-every steps and at the end (a temporary name, then a
+# rename: the shipper sends it at once) and prints "step N" each time.
+STAND_IN = '''\
+import argparse, hashlib, json, os
+
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--output-dir", required=True)
+p.add_argument("--max-steps", type=int, required=True)
+p.add_argument("--save-every", type=int, required=True)
+p.add_argument("--sleep", type=float, required=True)
+a = p.parse_args()
+os.makedirs(a.output_dir, exist_ok=True)
+path = os.path.join(a.output_dir, "ckpt-last.json")
+step, state = 0, hashlib.sha256(b"start").hexdigest()
+if os.path.exists(path):
+    with open(path) as f:
+        ck = json.load(f)
+    step, state = ck["step"], ck["state"]
+    print("resumed from %s at step %d" % (path, step), flush=True)
+else:
+    print("no checkpoint in %s: starting at step 0" % a.output_dir, flush=True)
+
+
+def save():
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "state": state, "weights": [state] * 64}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+while step < a.max_steps:
+    time.sleep(a.sleep)
+    step += 1
+    state = hashlib.sha256(("%s:%d" % (state, step)).encode()).hexdigest()
+    if step % a.save_every == 0 or step == a.max_steps:
+        save()
+        print("step %d" % step, flush=True)
+print("done: %d steps" % step, flush=True)
+'''
+
+STAND_IN_STEPS = 600  # 0.05 s each: about 30 s of run in all, a checkpoint every 2 s (40 steps)
+
+
+def stand_in_state(steps: int) -> str:
+    """The stand-in trainer's state after STEPS steps, however many runs it took."""
+    state = hashlib.sha256(b"start").hexdigest()
+    for i in range(1, steps + 1):
+        state = hashlib.sha256(f"{state}:{i}".encode()).hexdigest()
+    return state
+
+
+@pytest.mark.timeout(600)
+def test_a_node_dies_and_the_run_goes_on_without_torch(make_testbed: MakeTestbed, tmp_path: Path) -> None:
+    """The story of issue 12 with a stdlib stand-in trainer pushed as code: (no model:, data: or packages),
+    so that it runs on CI in about a minute."""
+    tb = make_testbed(nodes=2, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a node has no namespace to vanish")
+    assert tb.s3 is not None
+    a, b = tb.nodes
+    name, bucket = "stand-in", "story"
+    ckpt_dir = f"/workspace/checkpoints/{name}"
+    key = f"runs/{name}/ckpt-last.json"
+    tb.s3.create_bucket(bucket)
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "train.py").write_text(STAND_IN)
+    job = tmp_path / "stand-in.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": name, "python": "python3", "venv": "/root/venv-stand-in",
+        "s3": {"endpoint_url": tb.s3.url, "region": tb.s3.region},
+        "code": {"source": "trainer"},
+        "outputs": {"path": "/workspace/checkpoints/{name}", "dest": f"s3://{bucket}/runs/{{name}}/",
+                    "every": 1, "settle": 0.5, "include": ["ckpt-*.json"]},
+        "run": {"workdir": "/workspace/stand-in",
+                "command": f"{{python}} train.py --output-dir {ckpt_dir} --max-steps {STAND_IN_STEPS} "
+                           "--save-every 40 --sleep 0.05",
+                "wait": 0}}, sort_keys=False))
+    s3 = tb.s3.client()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(COLUMNS="200", AWS_ACCESS_KEY_ID=tb.s3.access_key, AWS_SECRET_ACCESS_KEY=tb.s3.secret_key,
+               AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent")
+    shutil.copy(tb.inventory_path, tmp_path / "inventory.yaml")
+    story = Story(tmp_path, env, tmp_path / "story.txt")
+    t0 = time.monotonic()
+
+    # 1. dfo up on node A, with outputs:  2. after two shipped checkpoints, A vanishes
+    _two_ships_then_vanish(tb, story, a, job, bucket, key, ("sshd", "remote.supervisor", "train.py", "remote.shipper"),
+                           ship_timeout=120, detach_after=1)
+    shipped = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    step = shipped["step"]
+    assert 0 < step < STAND_IN_STEPS, f"the last shipped checkpoint is at step {step}"
+    assert shipped["state"] == stand_in_state(step)
+    story.note(f"(the last checkpoint A shipped, s3://{bucket}/{key}: step {step})")
+    r = story.run("status", "-H", a.name, timeout=60)
+    assert r.returncode == 4, r.stdout + r.stderr
+
+    # 3. dfo up on a fresh node B with the same job restores that checkpoint and resumes at its step
+    code, out = story.stream("up", "-H", b.name, "-j", job.name, timeout=300)
+    assert code == 0, out[-4000:]
+    assert re.search(rf"restore: 1 file\b.* from s3://{bucket}/runs/{name}/", out), out[-4000:]
+    assert "code: sent 1 file (" in out, out[-4000:]  # train.py, pushed to the fresh node
+    assert f"resumed from {ckpt_dir}/ckpt-last.json at step {step}\n" in out, out[-4000:]
+    assert "starting at step 0" not in out
+    after = out.split("resumed from", 1)[1]
+    assert int(re.findall(r"^step (\d+)$", after, re.M)[0]) > step  # it went on from there, not from 0
+    assert f"done: {STAND_IN_STEPS} steps" in out
+    # 4. the run ends, the last pass ships the final checkpoint, and dfo pull (no -j) brings it here byte-identical
+    assert re.search(rf"outputs: last pass shipped \d+ files? .* to s3://{bucket}/runs/{name}/", out), out[-4000:]
+    final = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    doc = json.loads(final)
+    assert doc["step"] == STAND_IN_STEPS and doc["state"] == stand_in_state(STAND_IN_STEPS)
+    r_node = tb.ssh(b, f"sha256sum {ckpt_dir}/ckpt-last.json")
+    assert r_node.returncode == 0, r_node.stderr
+    on_node = r_node.stdout.split()[0]
+    assert on_node == hashlib.sha256(final).hexdigest()
+    run_b = re.findall(r"started run (\S+)", out)[0]
+    r = story.run("pull", "-H", b.name, timeout=120)  # the newest run, its outputs.path, into ./runs/RUN/
+    assert r.returncode == 0, r.stdout + r.stderr
+    got_dir = tmp_path / "runs" / run_b
+    got = sorted(str(p.relative_to(got_dir)) for p in got_dir.rglob("*") if p.is_file() and ".dfo" not in p.parts)
+    assert got == ["ckpt-last.json"], got  # outputs.path, not the workdir (train.py)
+    assert hashlib.sha256((got_dir / "ckpt-last.json").read_bytes()).hexdigest() == on_node
+    story.note(f"(the story took {time.monotonic() - t0:.0f}s)")

@@ -267,5 +267,5 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
             break  # the node changed under this push (another push into the same dest): reported as it went
     status = "done" if sent or deleted else "no change"
     if status == "done":
-        note(f"code: sent {sent} files ({human_bytes(nbytes)}), deleted {deleted}, to {real}")
+        note(f"code: sent {sent} file{'s' if sent != 1 else ''} ({human_bytes(nbytes)}), deleted {deleted}, to {real}")
     return report(status)
