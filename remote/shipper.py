@@ -26,7 +26,7 @@ from remote.fsutil import human_bytes
 from remote.retry import Stopped, retry
 from remote.s3client import S3Error, split_s3_url
 from remote.s3put import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads, part_size_for
-from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, scan, settled
+from remote.shipscan import META, Includer, OpenUploads, Shipped, open_for_writing, renamed, scan, settled
 from remote.shipstate import ENDED, ERRORS_KEPT, OUTPUTS_JSON, State, iso  # noqa: F401 - re-exported
 
 HEAD_AT_MOST = 32  # files not yet in shipped.json: up to this many are looked up with a HEAD each, else a listing
@@ -150,12 +150,16 @@ class Shipper:
         while True:
             ready, pending = [], []
             now = time.time_ns()
-            found = scan(self.root, includer)
+            inodes = {}
+            found = scan(self.root, includer, inodes)
+            before, self._inodes = getattr(self, "_inodes", None), inodes
+            before_names = set(before.values()) if before else set()
             self._seen = {rel for rel, _ in found}
             for rel, st in found:
                 if shipped.current(rel, st, prefix + rel):
                     continue
-                if settled(st, now, settle, open_w) or (final and (st.st_dev, st.st_ino) not in open_w()):
+                moved = renamed(rel, st, before, before_names)
+                if settled(st, now, settle, open_w, moved) or (final and (st.st_dev, st.st_ino) not in open_w()):
                     ready.append((rel, st))
                 else:
                     pending.append((rel, st))

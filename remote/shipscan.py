@@ -88,8 +88,10 @@ def never_shipped(rel):
     return any(p.startswith(META) for p in rel.split("/"))
 
 
-def scan(root, includer):
-    """[(rel, stat)] of the regular files under ``root`` that ship (sorted by rel); [] when root is missing."""
+def scan(root, includer, inodes=None):
+    """[(rel, stat)] of the regular files under ``root`` that ship (sorted by rel); [] when root is missing.
+    ``inodes``, a dict, gets {(st_dev, st_ino): rel} of EVERY regular file seen, shipped or not (a
+    trainer's temporary name too), so that the next scan can tell a rename into place."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(META))
@@ -102,23 +104,41 @@ def scan(root, includer):
                 st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue  # gone meanwhile
-            if stat.S_ISREG(st.st_mode) and includer.included(rel):
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if inodes is not None:
+                inodes[(st.st_dev, st.st_ino)] = rel
+            if includer.included(rel):
                 found.append((rel, st))
     found.sort(key=lambda x: x[0])
     return found
 
 
-def settled(st, now_ns, settle_s, open_w):
+def renamed(rel, st, before, before_names):
+    """Whether the file at ``rel`` came by a rename (or a replacement) since the scan that gave ``before``
+    ({(st_dev, st_ino): rel} of every file then; ``before_names``: its values as a set): its inode was
+    there under another name (the trainer's temporary file), or ``rel`` was there as another inode."""
+    if before is None:
+        return False
+    was = before.get((st.st_dev, st.st_ino))
+    if was is not None:
+        return was != rel
+    return rel in before_names
+
+
+def settled(st, now_ns, settle_s, open_w, moved=False):
     """Whether a file may ship now.
 
     * unchanged (neither content nor metadata) for ``settle_s`` seconds: yes;
-    * its ctime is later than its mtime -- its metadata changed after its last write, as a rename into
-      place does -- and no process holds it open for writing: yes, at once;
+    * it came into place by a rename: ``moved`` (see ``renamed``: the inode had another name at the
+      last scan, or the name had another inode), or its ctime is later than its mtime (its metadata
+      changed after its last write; the kernel's coarse clock often gives a rename the same tick, so
+      this alone misses most renames) -- and no process holds it open for writing: yes, at once;
     * else: not yet. ``open_w()`` is called only when needed (it reads /proc)."""
     last = max(st.st_mtime_ns, st.st_ctime_ns)
     if now_ns - last >= int(settle_s * 1e9):
         return True
-    if st.st_ctime_ns > st.st_mtime_ns:
+    if moved or st.st_ctime_ns > st.st_mtime_ns:
         return (st.st_dev, st.st_ino) not in open_w()
     return False
 

@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.testbed import S3Endpoint, Testbed
 from remote import shipper
-from remote.shipscan import Includer, settled
+from remote.shipscan import Includer, renamed, settled
 
 pytestmark = pytest.mark.testbed
 REPO = Path(__file__).resolve().parent.parent
@@ -260,6 +260,17 @@ def test_the_settle_rule() -> None:
     assert not settled(_St(995, 998), now, 10, held)  # ... but still open for writing somewhere
     assert not settled(_St(980, 995), now, 10, held)  # its ctime counts for "unchanged" too
     assert not settled(_St(980, 999.5), now, 10, held)
+    assert settled(_St(995, 995), now, 10, never, moved=True)  # renamed within the write's clock tick
+    assert not settled(_St(995, 995), now, 10, held, moved=True)
+
+
+def test_renamed_tells_a_rename_by_the_inode() -> None:
+    st = _St(995, 995)  # inode (1, 42)
+    assert not renamed("a", st, None, set())  # no scan before this one
+    assert renamed("a", st, {(1, 42): "a.tmp"}, {"a.tmp"})  # the inode had another name
+    assert renamed("a", st, {(1, 7): "a"}, {"a"})  # the name had another inode
+    assert not renamed("a", st, {(1, 42): "a"}, {"a"})  # the same file as before
+    assert not renamed("a", st, {(1, 7): "b"}, {"b"})  # a new name, a new inode: written in place
 
 
 def test_include_patterns() -> None:
@@ -363,6 +374,41 @@ def test_settle_rename_into_place_ships_at_once(s3: S3Endpoint, bucket: str, tmp
     assert (p["ok"], p["files"], p["pending"]) == (True, 1, 2), p
     assert set(objects(s3, bucket)) == {"s/renamed.bin"}
     assert outputs_json(tmp_path)["lag_s"] == 0.0
+
+
+def test_a_checkpoint_replaced_by_a_rename_in_the_same_clock_tick_ships_at_once(
+        s3: S3Endpoint, bucket: str, tmp_path: Path) -> None:
+    """The trainer's usual save: write ckpt.tmp, rename it over ckpt. The kernel's coarse clock gives the
+    rename the same ctime as the last write most of the time, so "ctime > mtime" cannot see it; the
+    inode can: the name now holds another inode, or the inode had another name at the last scan."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    spec = make_spec(s3, root, f"s3://{bucket}/t/", settle=60)
+    sh = shipper.Shipper(spec, str(tmp_path), None)  # one shipper over several passes, as the process runs
+    (root / "ckpt-last.pt").write_bytes(b"1" * 100)
+    age(root / "ckpt-last.pt", 120)
+    assert sh.run_pass()["files"] == 1
+    for i in (2, 3):
+        body = str(i).encode() * 100
+        tmp = root / f"ckpt-last.pt.tmp.{i}"
+        if i == 3:  # the temporary file was seen by a scan before its rename
+            tmp.write_bytes(body)
+            assert sh.run_pass()["pending"] == 1  # written just now: it waits
+        else:
+            tmp.write_bytes(body)
+        os.replace(tmp, root / "ckpt-last.pt")  # at once: most often within the write's clock tick
+        p = sh.run_pass()
+        assert (p["ok"], p["files"], p["pending"]) == (True, 1, 0), p
+        assert objects(s3, bucket, "t/ckpt-last.pt") == {"t/ckpt-last.pt": body}
+    held = open(root / "ckpt-last.pt.tmp.4", "wb")  # noqa: SIM115 - renamed while still open for writing
+    try:
+        held.write(b"4" * 100)
+        held.flush()
+        os.replace(root / "ckpt-last.pt.tmp.4", root / "ckpt-last.pt")
+        p = sh.run_pass()
+        assert (p["files"], p["pending"]) == (0, 1), p
+    finally:
+        held.close()
 
 
 # --------------------------------------------------------------------------- signals, kills
