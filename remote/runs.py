@@ -82,6 +82,8 @@ def describe(run_id, run_dir, tail=0, state=None):
         info["tail"] = rec.tail_lines(log, tail)
     if state == "lost":
         info["group_left"] = rec.leftovers(meta)
+    if meta.get("gang"):  # a node of a gang: its place, and what its gang watch recorded (gang.json)
+        info["gang"] = dict(meta["gang"], watch=rec.read_json(os.path.join(run_dir, "gang.json")))
     return info
 
 
@@ -160,8 +162,13 @@ def _start(req, run_id, run_dir, uploads):
     ship = req.get("outputs")
     if isinstance(ship, dict):  # the spec without credentials: those go to the supervisor's stdin alone
         meta["outputs"] = dict((k, v) for k, v in ship.items() if k != "credentials")
+    gang = req.get("gang")
+    if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
+        meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),
+                        "hub": gang.get("hub"), "port": gang.get("port"), "run": run_id}
     spec = json.dumps({"command": req["command"], "workdir": req["workdir"], "env": env, "meta": meta,
-                       "outputs": meta.get("outputs"), "outputs_credentials": req.get("outputs_credentials")})
+                       "outputs": meta.get("outputs"), "outputs_credentials": req.get("outputs_credentials"),
+                       "gang": gang if isinstance(gang, dict) else None})
     sup_env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
     sup_env.update({"PYTHONPATH": AGENT_DIR, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
     r, w = os.pipe()

@@ -26,8 +26,22 @@ import subprocess
 import sys
 import time
 
-from remote.runrecord import END, LOG, META, STOP, boot_id, now_iso, proc_stat, read_json, write_json
+from remote.runrecord import (
+    END,
+    LOG,
+    META,
+    STOP,
+    boot_id,
+    leftovers,
+    now_iso,
+    proc_stat,
+    read_json,
+    write_json,
+)
 from remote.shipwatch import ShipperWatch
+
+GANG = "gang.json"
+GANG_GRACE_MAX = 30.0  # a gang stop never waits longer: every node ends within the 60 s bound (docs/gangs.md)
 
 
 def cgroup_oom_kills():
@@ -116,6 +130,65 @@ def kernel_oom_words(pids, since):
     return None, []
 
 
+def _gloo_ifname(gang):
+    try:
+        from remote.gang import interface_for
+
+        return interface_for(gang.get("address") or "", gang.get("peer"))
+    except Exception:  # noqa: BLE001 -- unknown: leave GLOO_SOCKET_IFNAME unset rather than guess
+        return None
+
+
+def _write_gang(run_dir, watch):
+    try:
+        doc = dict(watch.state(), events=watch.events[-50:])
+        write_json(os.path.join(run_dir, GANG), doc)
+    except Exception:  # noqa: BLE001 -- the record is a courtesy: never let it end the supervisor
+        pass
+
+
+def _start_gang_watch(run_dir, spec, proc, meta):
+    """The gang watch beside the trainer (remote/gangwatch.py): when the gang fails elsewhere, stop.json
+    says why and the trainer's group gets SIGTERM, then SIGKILL after min(run.stop_grace, 30) s."""
+    from remote.gangwatch import GangWatch
+
+    gang = spec["gang"]
+    grace = min(float(meta.get("stop_grace") or GANG_GRACE_MAX), GANG_GRACE_MAX)
+    box = []
+
+    def stop_gang():
+        ff = (box[0].state().get("first_failure") or {}) if box else {}
+        why = "gang failed: %s %s" % (ff.get("host", "?"), ff.get("how", "?"))
+        if read_json(os.path.join(run_dir, STOP)) is None:
+            write_json(os.path.join(run_dir, STOP), {"requested": now_iso(), "grace": grace, "why": why})
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except OSError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and leftovers(meta):
+            time.sleep(0.1)
+        if leftovers(meta):  # the group's stragglers too, even after the leader ended
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
+                      stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
+                      silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
+                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None)
+    box.append(watch)
+    try:
+        watch.start()
+    except OSError as exc:  # rank 0 cannot listen: the gang cannot be watched; fail this node's run
+        write_json(os.path.join(run_dir, GANG), {"state": "failed", "error": "gang watch: %s" % exc})
+        stop_gang()
+        return None
+    _write_gang(run_dir, watch)
+    return watch
+
+
 def supervise(run_dir, status_fd):
     spec = json.loads(sys.stdin.read() or "{}")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -125,6 +198,11 @@ def supervise(run_dir, status_fd):
         signal.signal(sig, signal.SIG_IGN)
     log_fd = os.open(os.path.join(run_dir, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     oom_before, t_start = cgroup_oom_kills(), time.monotonic()
+    gang = spec.get("gang")
+    if gang and gang.get("gloo_ifname") and "GLOO_SOCKET_IFNAME" not in spec["env"]:
+        spec["env"]["GLOO_SOCKET_IFNAME"] = _gloo_ifname(gang)
+        if not spec["env"]["GLOO_SOCKET_IFNAME"]:
+            del spec["env"]["GLOO_SOCKET_IFNAME"]
     try:
         proc = subprocess.Popen(
             ["bash", "-c", spec["command"]], cwd=spec["workdir"], env=spec["env"],
@@ -153,6 +231,8 @@ def supervise(run_dir, status_fd):
         shipper.start()
     spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
     trainer_done = []
+    watch = _start_gang_watch(run_dir, spec, proc, meta) if gang else None
+    spec["gang"] = None  # the watch holds the secret
 
     def forward(signum, frame):  # someone ends the supervisor: end the trainer the same way, keep recording
         if trainer_done and shipper is not None:
@@ -184,7 +264,13 @@ def supervise(run_dir, status_fd):
         after = cgroup_oom_kills()
         if oom_before is not None and after is not None:
             end["cgroup_oom_kills"] = after - oom_before
+    if watch is not None:
+        watch.trainer_ended(code)  # before end.json: a failure reaches the gang at once
     write_json(os.path.join(run_dir, END), end)
+    if watch is not None:
+        watch.wait()  # the hub outlives its trainer until every member has ended (done, failed or lost)
+        watch.close()
+        _write_gang(run_dir, watch)
     if shipper is not None:
         shipper.finish()  # the last pass, after end.json: the run's end is known before the pass ends
         shipper.wait()
