@@ -264,6 +264,6 @@ def test_up_on_two_hosts_opens_one_connection_each(testbed2: Testbed, tmp_path: 
     assert {n: _accepted(testbed2, n) - before[n] for n in names} == {n: 1 for n in names}, r.stderr
     assert r.returncode == 0, r.stderr
     for n in names:  # several hosts: each log line with its host
-        assert f"{n} | line 000001" in r.stdout and f"{n}: provisioned" in r.stdout
+        assert f"[{n}] line 000001" in r.stdout and f"{n}: provisioned" in r.stdout
     for n in testbed2.nodes:
         testbed2.node_exec(n, f"rm -rf {ws}")

@@ -14,9 +14,13 @@ from ..cli_common import (
     console,
     emit,
     err_console,
+    exit_code_of,
+    hosts_json,
     hosts_option,
     job_option,
     json_option,
+    print_json,
+    print_outcome,
     safe,
     session,
 )
@@ -25,9 +29,11 @@ from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
+from ..steps.gang import check_hosts, is_gang
 from ..steps.outputs import final_line as outputs_final
 from .runs_follow import follow_hosts
 from .runs_follow import run_workspace as _workspace
+from .runs_gang import gang_line, gang_summary
 from .runs_view import (
     OUT,
     RECAP_LINES,
@@ -128,15 +134,35 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     check_outputs(loaded)  # S3 credentials for outputs.dest (exit 2)
     window = run.wait if wait is None else wait
     sess = session(ctx, hosts)
+    if is_gang(loaded.job):  # -H names exactly run.nodes hosts (exit 2, before any host is touched)
+        check_hosts(run, [sess.hosts[n] for n in sess.names], loaded.job.name)
+    gang: dict[str, Any] = {}
     one, render, started = launcher(ctx, loaded, job_path, window=window, force=force, quiet=as_json,
-                                    multi=len(sess.names) > 1)
+                                    multi=len(sess.names) > 1, gang=gang)
     try:
         with sess:
+            prepare_gang(sess, loaded, gang, quiet=as_json)
             outcomes = sess.each(one)
     except KeyboardInterrupt:
         detached_launch(ctx, started, job_path)
         return 130
     return emit(outcomes, as_json, Launched.to_json, render)
+
+
+def prepare_gang(sess: Any, loaded: LoadedJob, gang: dict[str, Any], *, quiet: bool) -> None:
+    """A gang job (run.nodes > 1 or launcher: torchrun): plan it over the session's hosts in -H order,
+    check every node (preflight, addresses; exit 3 naming the nodes), and put the plan in ``gang``."""
+    from ..steps.gang import prepare
+
+    if not is_gang(loaded.job):
+        return
+    plan = prepare(sess, loaded.job, steps.new_run_id(loaded.job.name))
+    gang["plan"] = plan
+    if not quiet:
+        ranks = ", ".join(f"{n.host}={n.rank}" for n in plan.nodes)
+        err_console.print(f"dfo: gang of {len(plan.nodes)}: run {safe(plan.run_id)} (ranks {safe(ranks)}; rank 0 at "
+                          f"{safe(plan.master.address)}:{plan.rdzv_port}); preflight and address check passed",
+                          highlight=False, soft_wrap=True)
 
 
 def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_path: str) -> None:
@@ -147,9 +173,10 @@ def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_p
 
 
 def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
-             multi: bool) -> tuple[Callable[[Connection], Launched], Callable[[str, Launched], None],
+             multi: bool, gang: dict[str, Any] | None = None) -> tuple[Callable[[Connection], Launched], Callable[[str, Launched], None],
                                    dict[str, steps.RunInfo]]:
-    """(launch on one connection, render one host's result, the runs started so far by host)."""
+    """(launch on one connection, render one host's result, the runs started so far by host).
+    ``gang``: filled with {"plan": GangPlan} before the launch when the job is a gang's."""
     run = loaded.job.run
     assert run is not None
     lines = LogLines(multi, quiet=quiet)
@@ -166,7 +193,9 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
             held: list[str] = []  # the restore's line, printed once the bar is gone
             try:
                 with ProgressView(console, enabled=not quiet and not multi) as view:
-                    info = steps.launch(conn, loaded, force=force, note=held.append, on_event=view.callback(conn.name))
+                    plan = (gang or {}).get("plan")
+                    info = steps.launch(conn, loaded, force=force, note=held.append, on_event=view.callback(conn.name),
+                                        run_id=plan.run_id if plan else None, gang=plan)
             finally:
                 for text in held:
                     lines.note(conn.name)(text)
@@ -310,8 +339,18 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
 
     with sess:
         outcomes = sess.each(one)
-    return emit(outcomes, as_json, lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump(),
-                lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
+    gang = gang_summary(outcomes) if run is not None else None
+    to_json = lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump()  # noqa: E731
+    if gang is None:
+        return emit(outcomes, as_json, to_json, lambda host, runs: render_status(ctx, host, runs, detail=run is not None,
+                                                                                  job_path=job_path))
+    if as_json:
+        print_json({**hosts_json(outcomes, to_json), "gang": gang})
+        return exit_code_of(outcomes)
+    for o in outcomes:
+        print_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=True, job_path=job_path))
+    console.print(gang_line(gang), highlight=False, soft_wrap=True)
+    return exit_code_of(outcomes)
 
 
 # --------------------------------------------------------------------------- stop

@@ -37,7 +37,7 @@ class LogLines:
             if self.quiet:
                 return
             with OUT:
-                sys.stdout.write(f"{host} | {text}\n" if self.multi else text + "\n")
+                sys.stdout.write(f"[{host}] {text}\n" if self.multi else text + "\n")
                 sys.stdout.flush()
         return out
 

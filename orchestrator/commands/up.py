@@ -24,16 +24,19 @@ from ..cli_common import (
     job_option,
     json_option,
     print_json,
+    report_error,
     safe,
     session,
 )
 from ..config import LoadedJob, load_job
+from ..errors import DfoError, UsageError
 from ..hosts import HostSession, Outcome
+from ..steps.gang import check_hosts, is_gang
 from ..steps.runs import job_workspace, status
 from .data import render_transfer, run_transfer
 from .preflight import check_job
 from .provision import provision_json, render_provision, run_provision
-from .runs import Launched, detached_launch, launcher
+from .runs import Launched, detached_launch, launcher, prepare_gang
 from .runs_follow import follow_hosts
 from .runs_view import RECAP_LINES
 
@@ -110,6 +113,8 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     from ..steps.outputs import check as check_outputs
 
     check_outputs(loaded)  # S3 credentials for outputs.dest (exit 2 before any step)
+    if loaded.job.run is not None and is_gang(loaded.job):  # -H names exactly run.nodes hosts (exit 2, no host touched)
+        check_hosts(loaded.job.run, [sess.hosts[n] for n in sess.names], loaded.job.name)
     report = UpReport(hosts={n: UpHost() for n in sess.names})
     t0 = time.monotonic()
     with sess:
@@ -178,8 +183,19 @@ def _chain(ctx: click.Context, sess: HostSession, loaded: LoadedJob, job_path: s
         _banner("launch")
         # no watch window here: tail below shows the run from its first line (each line once)
         window = job.run.wait if no_tail else 0.0
+        gang: dict[str, Any] = {}
         one, render, started = launcher(ctx, loaded, job_path, window=window, force=False, quiet=as_json,
-                                        multi=len(todo) > 1)
+                                        multi=len(todo) > 1, gang=gang)
+        try:
+            if running and is_gang(job):  # a gang starts on every node at once, or not at all
+                raise UsageError(f"job {job.name}: a gang, and only some of its nodes run it "
+                                 f"({', '.join(running)}): stop those runs first (dfo stop -H HOST RUN)")
+            prepare_gang(sess, loaded, gang, quiet=as_json)
+        except DfoError as exc:
+            report_error(exc)
+            for host in todo:
+                report.hosts[host].launch = error_json(exc)
+            return _stopped(report, "launch", exc.exit_code)
         try:
             outs = sess.each(one, names=todo)
         except KeyboardInterrupt:

@@ -233,3 +233,70 @@ def address_problems(plan: GangPlan, results: Mapping[str, Mapping[str, Any]]) -
                         f" {why} (open TCP ports {plan.rdzv_port}-{plan.watch_port} on {m.host} to {n.host}, "
                         f"or set hosts.{m.host}.private_address)")
     return problems
+
+
+# --------------------------------------------------------------------------- before the launch, on the nodes
+GANG_MODULE = "remote.gang"
+CHECK_WINDOW_S = 20.0
+
+
+def is_gang(job: Job) -> bool:
+    """A run launched as a gang: several nodes, or torchrun (one node: --standalone)."""
+    return job.run is not None and (job.run.nodes > 1 or job.run.launcher == "torchrun")
+
+
+def _all_or_raise(outcomes: Sequence[Any]) -> dict[str, Any]:
+    """host -> value; the first host's error (unreachable: exit 4) is raised, naming that host."""
+    for o in outcomes:
+        if o.error is not None:
+            raise o.error
+    return {o.host: o.value for o in outcomes}
+
+
+def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
+    """Plan the gang over the session's hosts (in -H order), then on every node at once: the
+    preflight (provision record and manifests the same everywhere) and the address check (every node
+    reaches rank 0's rdzv and watch ports). A difference or an unreachable port: VerifyError (exit 3)
+    naming the nodes. Returns the plan to launch."""
+    from ..agent import run_module
+    from ..errors import VerifyError
+    from .runs import job_workspace
+
+    assert job.run is not None
+    hosts = [sess.hosts[n] for n in sess.names]
+    check_hosts(job.run, hosts, job.name)
+    workspace = job_workspace(job, hosts[0].workspace)
+    plan = plan_gang(job, hosts, run_id, gpus={h.name: h.gpus for h in hosts}, workspace=workspace)
+    manifests = {"data": job.data.dest if job.data else None, "model": job.model.dest if job.model else None}
+
+    def facts(conn: Any) -> Any:
+        return run_module(conn, GANG_MODULE, {"op": "facts", "workspace": job_workspace(job, conn.host.workspace),
+                                              "job": job.name, "manifests": manifests}, timeout=60)
+
+    got = _all_or_raise(sess.each(facts))
+    problems = preflight_problems(job.name, {h.name: got[h.name] for h in hosts})
+    if problems:
+        raise VerifyError(f"gang preflight of job {job.name}: the nodes differ:\n  " + "\n  ".join(problems),
+                          hint="provision, sync-data and stage-model every node of the gang with the same job "
+                               "(dfo up -H GROUP -j JOB does all three)")
+    if len(plan.nodes) < 2:
+        return plan
+    token = secrets.token_hex(8)
+    ports = [plan.rdzv_port, plan.watch_port]
+
+    def check(conn: Any) -> Any:
+        node = plan.node(conn.host.name)
+        if node.rank == 0:
+            req = {"op": "listen", "ports": ports, "token": token, "expect": len(plan.nodes) - 1,
+                   "window": CHECK_WINDOW_S}
+        else:
+            req = {"op": "connect", "address": plan.master.address, "ports": ports, "token": token,
+                   "rank": node.rank, "window": CHECK_WINDOW_S - 2}
+        return run_module(conn, GANG_MODULE, req, timeout=CHECK_WINDOW_S + 60)
+
+    results = _all_or_raise(sess.each(check))
+    problems = address_problems(plan, results)
+    if problems:
+        raise VerifyError(f"gang address check of job {job.name}:\n  " + "\n  ".join(problems),
+                          hint="every node must reach rank 0 on the rendezvous port and the next one")
+    return plan

@@ -71,6 +71,7 @@ class RunInfo(BaseModel):
     offset: int | None = None
     outputs: dict[str, Any] | None = None  # the shipper's record (RUN_DIR/outputs.json); None: nothing ships
     restore: dict[str, Any] | None = None  # launch only: what restore fetched before the run started
+    gang: dict[str, Any] | None = None  # a node of a gang: rank, hosts, hub, port, run, watch (its gang.json)
 
     def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
         if self.state not in ("failed", "lost"):
@@ -133,6 +134,7 @@ class LaunchReport(BaseModel):
     diagnosis: list[dict[str, Any]]
     restore: dict[str, Any] | None = None  # outputs restore before the launch (sync-data's report), or null
     outputs: dict[str, Any] | None = None
+    rank: int | None = None  # a gang's node: its rank (every node's entry has the same run)
 
     @classmethod
     def of(cls, info: RunInfo, final: RunInfo, seen: list[str], watched: float, last_lines: list[str]) -> LaunchReport:
@@ -140,7 +142,7 @@ class LaunchReport(BaseModel):
                    run_dir=info.run_dir, uploads=info.uploads, autotune_guard=final.autotune_guard,
                    watched_seconds=round(watched, 1), last_lines=last_lines if final.state != "running" else [],
                    diagnosis=[d.to_json() for d in final.diagnoses(seen)], restore=info.restore,
-                   outputs=final.outputs)
+                   outputs=final.outputs, rank=(info.gang or {}).get("rank"))
 
 
 class StopReport(BaseModel):
@@ -245,9 +247,11 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
 
 def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
            note: Callable[[str], None] | None = None,
-           on_event: Callable[[dict[str, Any]], None] | None = None) -> RunInfo:
+           on_event: Callable[[dict[str, Any]], None] | None = None, gang: Any = None) -> RunInfo:
     """Start the job's run detached on the node; returns once the trainer has a pid. First the code
-    (code:) and the outputs restore (outputs.restore), unless the job has a live run there."""
+    (code:) and the outputs restore (outputs.restore), unless the job has a live run there.
+    ``gang``: the GangPlan (orchestrator.steps.gang) when this node is one of a gang: its run id,
+    its command and env, and the gang watch's entry (secret on stdin only)."""
     job = loaded.job
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
@@ -281,6 +285,14 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
         "stop_grace": run.stop_grace, "job_file": str(loaded.path),
         "uploads": [{k: v for k, v in u.items() if not k.startswith("_")} for u in uploads],
     }
+    if gang is not None:
+        node = gang.node(conn.host.name)
+        req["command"] = node.command
+        req["env"] = {**plain, **node.env}  # the gang's ranks and addresses win over run.env
+        peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if node.gloo_ifname else None
+        req["gang"] = {"rank": node.rank, "hosts": [n.host for n in gang.nodes], "hub": gang.master.address,
+                       "port": gang.watch_port, "secret": gang.secret, "gloo_ifname": node.gloo_ifname,
+                       "address": node.address, "peer": peer}
     if out is not None:
         from .outputs import launch_fields
 

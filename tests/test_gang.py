@@ -1,0 +1,197 @@
+"""Gangs (issue 13) end to end on the testbed: one run over 3 real sshd nodes (network namespaces),
+launched as one with launcher: none and a stdlib stand-in trainer (no torch needed).
+
+One run id, each node's rank and addresses, a merged tail; a failing node ends the others with no
+controller attached; a vanished node ends the others and shows as lost; a node whose provision
+record differs is refused before any launch (exit 3).
+
+The provision records are written into each node's workspace in the layout remote/provision.py
+writes (tests/test_provision.py covers provision itself): the gang's preflight only reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.testbed import Testbed
+from tests._runs_fixtures import dfo, inventory_copy
+from tests.conftest import start_testbed
+
+pytestmark = pytest.mark.testbed
+
+# The stand-in trainer: says who it is, then runs; the rank named by FAIL_RANK exits 1 after a moment.
+NODE = """\
+import os, sys, time
+e = os.environ
+print("rank=%s of %s run=%s addrs=%s master=%s:%s" % (e["DFO_NODE_RANK"], e["DFO_NUM_NODES"], e["DFO_RUN_ID"],
+      e["DFO_NODE_ADDRS"], e["MASTER_ADDR"], e["MASTER_PORT"]), flush=True)
+if e["DFO_NODE_RANK"] == e.get("FAIL_RANK"):
+    time.sleep(3)
+    print("rank %s fails now" % e["DFO_NODE_RANK"], flush=True)
+    sys.exit(1)
+for i in range(int(e.get("STEPS", "2"))):
+    print("step %d" % i, flush=True)
+    time.sleep(1)
+"""
+
+
+@pytest.fixture(scope="module")
+def tb3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
+    tb = start_testbed(tmp_path_factory.mktemp("gang3"), nodes=3, s3=False)
+    try:
+        yield tb
+    finally:
+        tb.stop()
+
+
+def provision_record(tb: Testbed, node: str, job: str, torch: str = "2.11.0") -> None:
+    rec = {"ok": True, "python": "3.12.3", "packages_after": {"torch": torch, "numpy": "2.3.0"},
+           "finished": "2026-11-30T20:00:00Z"}
+    r = tb.node_exec(node, f"mkdir -p /workspace/.dfo/provision && printf '%s' '{json.dumps(rec)}' "
+                           f"> /workspace/.dfo/provision/{job}.json")
+    assert r.returncode == 0, r.stderr
+
+
+def gang_job(tb: Testbed, tmp: Path, torch: dict[str, str] | None = None, **env: str) -> tuple[Path, str]:
+    name = f"g-{secrets.token_hex(3)}"
+    (tmp / "node.py").write_text(NODE)
+    doc = {"name": name, "venv": "/usr",
+           "run": {"workdir": "/root/gang-test", "upload": ["node.py"], "command": "python3 node.py", "wait": 0,
+                   "nodes": len(tb.nodes), "launcher": "none", "rdzv_port": 29400 + secrets.randbelow(500) * 2,
+                   "stop_grace": 5, "env": env}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    for n in tb.nodes:
+        provision_record(tb, n.name, name, (torch or {}).get(n.name, "2.11.0"))
+    return path, name
+
+
+def status(inv: Path, run: str, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    r = dfo(inv, "status", "-H", "testbed", run, "--json", timeout=timeout)
+    return r.returncode, json.loads(r.stdout)
+
+
+def wait_gang_ended(inv: Path, run: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        _, doc = status(inv, run)
+        if doc["gang"]["state"] != "running" and all(
+                (h.get("runs") or [{}])[0].get("state") != "running" for h in doc["hosts"].values()):
+            return doc
+        assert time.monotonic() < deadline, f"the gang did not end within {timeout}s: {doc}"
+        time.sleep(1)
+
+
+def ended_ts(tb: Testbed, node: str, run: str) -> float:
+    r = tb.node_exec(node, f"cat /workspace/.dfo/runs/{run}/end.json")
+    assert r.returncode == 0, r.stderr
+    return float(json.loads(r.stdout)["ended_ts"])
+
+
+def test_a_gang_has_one_run_id_each_node_its_rank_and_tail_merges_them(tb3: Testbed, tmp_path: Path) -> None:
+    inv = inventory_copy(tb3, tmp_path)
+    job, _ = gang_job(tb3, tmp_path)
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    hosts = json.loads(r.stdout)["hosts"]
+    names = [n.name for n in tb3.nodes]
+    assert list(hosts) == names
+    run = hosts[names[0]]["run"]
+    assert [hosts[h]["run"] for h in names] == [run] * 3
+    assert [hosts[h]["rank"] for h in names] == [0, 1, 2]
+    t = dfo(inv, "tail", "-H", "testbed", run, "-n", "+1", timeout=120)
+    assert t.returncode == 0, t.stdout + t.stderr
+    addrs = ",".join(n.address for n in tb3.nodes)
+    for rank, n in enumerate(tb3.nodes):
+        mine = [ln for ln in t.stdout.splitlines() if ln.startswith(f"[{n.name}] ")]
+        assert mine == [f"[{n.name}] rank={rank} of 3 run={run} addrs={addrs} master={tb3.nodes[0].address}:"
+                        f"{yaml.safe_load(job.read_text())['run']['rdzv_port']}", f"[{n.name}] step 0",
+                        f"[{n.name}] step 1"], t.stdout
+    code, doc = status(inv, run)
+    assert code == 0
+    assert doc["gang"]["run"] == run and doc["gang"]["state"] == "succeeded" and doc["gang"]["first_failure"] is None
+    meta = json.loads(tb3.node_exec(names[1], f"cat /workspace/.dfo/runs/{run}/meta.json").stdout)
+    assert meta["gang"]["rank"] == 1 and meta["gang"]["nodes"] == 3
+    assert "secret" not in meta["gang"]
+    # the gang's secret (64 hex digits) went to the supervisor's stdin only: no such value in the run's files
+    # but the uploaded file's sha256
+    files = tb3.node_exec(names[1], f"cat /workspace/.dfo/runs/{run}/*.json").stdout
+    upload_sha = hashlib.sha256(NODE.encode()).hexdigest()
+    assert set(re.findall(r"[0-9a-f]{64}", files)) == {upload_sha}, files
+
+
+def test_one_node_failing_ends_the_others_with_no_controller_attached(tb3: Testbed, tmp_path: Path) -> None:
+    inv = inventory_copy(tb3, tmp_path)
+    job, _ = gang_job(tb3, tmp_path, FAIL_RANK="1", STEPS="600")
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json")  # wait 0: launch returns, nobody watches
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"]["node-1"]["run"]
+    names = [n.name for n in tb3.nodes]
+    failed = ended_ts_when_present(tb3, names[1], run, 60)
+    doc = wait_gang_ended(inv, run, 90)
+    assert doc["gang"]["state"] == "failed"
+    assert doc["gang"]["first_failure"] == {"host": names[1], "how": "exit 1"}
+    states = {h: doc["hosts"][h]["runs"][0]["state"] for h in names}
+    assert states == {names[0]: "stopped", names[1]: "failed", names[2]: "stopped"}, states
+    for h in (names[0], names[2]):
+        assert ended_ts(tb3, h, run) - failed < 60
+        stop = json.loads(tb3.node_exec(h, f"cat /workspace/.dfo/runs/{run}/stop.json").stdout)
+        assert stop["why"] == f"gang failed: {names[1]} exit 1" and stop["grace"] == 5
+    t = dfo(inv, "tail", "-H", "testbed", run, "-n", "+1", timeout=120)
+    assert t.returncode == 5
+    assert f"[{names[1]}] rank 1 fails now" in t.stdout.splitlines()
+
+
+def ended_ts_when_present(tb: Testbed, node: str, run: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = tb.node_exec(node, f"cat /workspace/.dfo/runs/{run}/end.json 2>/dev/null")
+        if r.returncode == 0 and r.stdout:
+            return float(json.loads(r.stdout)["ended_ts"])
+        assert time.monotonic() < deadline, f"{node}: run {run} did not end"
+        time.sleep(0.5)
+
+
+def test_a_node_that_differs_is_refused_before_any_launch(tb3: Testbed, tmp_path: Path) -> None:
+    inv = inventory_copy(tb3, tmp_path)
+    job, name = gang_job(tb3, tmp_path, torch={"node-3": "2.10.0"})
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "node-3: torch 2.10.0, node-1 has 2.11.0" in r.stderr
+    for n in tb3.nodes:  # nothing was launched anywhere
+        out = tb3.node_exec(n.name, "ls /workspace/.dfo/runs/ 2>/dev/null").stdout
+        assert not [d for d in out.split() if d.startswith(name)], out
+    two = dfo(inv, "launch", "-H", "node-1,node-2", "-j", str(job))
+    assert two.returncode == 2 and "run.nodes is 3 but -H names 2 hosts" in two.stderr, two.stderr
+
+
+def test_a_vanished_node_ends_the_others_and_shows_as_lost(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    tb = make_testbed(nodes=3, s3=False)
+    if not tb.nodes[0].address.startswith("10."):
+        pytest.skip("vanish needs namespace nodes (root)")
+    inv = inventory_copy(tb, tmp_path)
+    job, _ = gang_job(tb, tmp_path, STEPS="600")
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"]["node-1"]["run"]
+    time.sleep(3)  # every member has joined the hub
+    tb.vanish("node-3")
+    gone = time.time()
+    doc = wait_gang_ended(inv, run, 90)
+    assert doc["gang"]["state"] == "failed"
+    assert doc["gang"]["first_failure"] == {"host": "node-3", "how": "lost"}
+    assert doc["hosts"]["node-3"]["ok"] is False  # unreachable, and said so
+    assert doc["gang"]["nodes"]["node-3"] == "lost (unreachable)"
+    assert [doc["hosts"][h]["runs"][0]["state"] for h in ("node-1", "node-2")] == ["stopped", "stopped"]
+    for h in ("node-1", "node-2"):
+        assert ended_ts(tb, h, run) - gone < 60
