@@ -264,8 +264,10 @@ def supervise(run_dir, status_fd):
         after = cgroup_oom_kills()
         if oom_before is not None and after is not None:
             end["cgroup_oom_kills"] = after - oom_before
-    if watch is not None:
-        watch.trainer_ended(code)  # before end.json: a failure reaches the gang at once
+    if watch is not None:  # before end.json: a failure reaches the gang at once
+        asked = (stop or {}).get("why") or ""
+        # dfo stop on this node (not the gang's own stop): the gang ends too, and says it was stopped
+        watch.trainer_ended(code, how="stopped" if stop is not None and not asked.startswith("gang failed") else None)
     write_json(os.path.join(run_dir, END), end)
     if watch is not None:
         watch.wait()  # the hub outlives its trainer until every member has ended (done, failed or lost)

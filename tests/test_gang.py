@@ -152,6 +152,20 @@ def test_one_node_failing_ends_the_others_with_no_controller_attached(tb3: Testb
     assert f"[{names[1]}] rank 1 fails now" in t.stdout.splitlines()
 
 
+def test_stop_on_the_group_stops_every_node(tb3: Testbed, tmp_path: Path) -> None:
+    inv = inventory_copy(tb3, tmp_path)
+    job, _ = gang_job(tb3, tmp_path, STEPS="600")
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"]["node-1"]["run"]
+    s = dfo(inv, "stop", "-H", "testbed", run, "--json", timeout=120)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert {h: d["state"] for h, d in json.loads(s.stdout)["hosts"].items()} == {n.name: "stopped" for n in tb3.nodes}
+    doc = wait_gang_ended(inv, run, 60)
+    assert doc["gang"]["state"] == "stopped", doc["gang"]
+    assert doc["gang"]["nodes"] == {n.name: "stopped" for n in tb3.nodes}
+
+
 def ended_ts_when_present(tb: Testbed, node: str, run: str, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     while True:

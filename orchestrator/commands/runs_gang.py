@@ -39,7 +39,9 @@ def gang_summary(outcomes: list[Any]) -> dict[str, Any] | None:
         if host in nodes and nodes[host] == "unreachable" and st == "lost":
             nodes[host] = "lost (unreachable)"
     states = [r.state for r in runs.values()]
-    if first is not None or any(s in ("failed", "lost") for s in states):
+    if (first or {}).get("how") == "stopped" and not any(s in ("failed", "lost") for s in states):
+        state = "stopped"  # dfo stop ended it (a node stopped by hand ends its gang too)
+    elif first is not None or any(s in ("failed", "lost") for s in states):
         state = "failed"
     elif all(s == "succeeded" for s in states) and len(runs) == len(hosts):
         state = "succeeded"
