@@ -12,9 +12,13 @@ writes (tests/test_provision.py covers provision itself): the gang's preflight o
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import re
 import secrets
+import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.commands.demo import DEFAULT_WHEELS
+from orchestrator.demo_data import write_data, write_model
 from orchestrator.testbed import Testbed
 from tests._runs_fixtures import dfo, inventory_copy
 from tests.conftest import start_testbed
@@ -209,3 +215,54 @@ def test_a_vanished_node_ends_the_others_and_shows_as_lost(make_testbed, tmp_pat
     assert [doc["hosts"][h]["runs"][0]["state"] for h in ("node-1", "node-2")] == ["stopped", "stopped"]
     for h in ("node-1", "node-2"):
         assert ended_ts(tb, h, run) - gone < 60
+
+
+# --------------------------------------------------------------------------- the demo trainer under torchrun (CPU torch)
+DDP_JOB = Path(__file__).resolve().parent.parent / "jobs" / "demo-ddp.yaml"
+
+
+def _upload_wheels(tb: Testbed, node: str, wheels: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in sorted(wheels.glob("*.whl")):
+            tar.add(p, arcname=p.name)
+    argv = tb.ssh_argv(node, "rm -rf /root/dfo-wheels && mkdir -p /root/dfo-wheels && tar -xf - -C /root/dfo-wheels")
+    r = subprocess.run(argv, input=buf.getvalue(), capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-500:]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
+def test_demo_ddp_on_a_gang_of_three_logs_one_all_reduced_loss(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`dfo up -H testbed -j jobs/demo-ddp.yaml`: provision (CPU torch from the demo wheels), stage the
+    model, sync the data, launch the gang under torchrun (gloo) and tail it: every rank logs the same
+    all-reduced loss."""
+    tb = make_testbed(nodes=3, s3=True)
+    assert tb.s3 is not None
+    src = tmp_path / "source"
+    write_model(src / "model")
+    write_data(src / "data", shards=2, tokens_per_shard=20000)
+    tb.s3.create_bucket("demo")
+    tb.s3.put_tree("demo", "models/demo-target", src / "model")
+    tb.s3.put_tree("demo", "tokenized", src / "data")
+    for n in tb.nodes:
+        _upload_wheels(tb, n.name, DEFAULT_WHEELS)
+    doc = yaml.safe_load(DDP_JOB.read_text())
+    doc["s3"]["endpoint_url"] = tb.s3.url
+    doc["code"]["source"] = str((DDP_JOB.parent / doc["code"]["source"]).resolve())
+    job = tmp_path / "demo-ddp.yaml"
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    inv = inventory_copy(tb, tmp_path)
+    env = {"AWS_ACCESS_KEY_ID": tb.s3.access_key, "AWS_SECRET_ACCESS_KEY": tb.s3.secret_key}
+    r = dfo(inv, "up", "-H", "testbed", "-j", str(job), timeout=1200, env=env)
+    out = os.environ.get("DFO_GANG_STORY_OUT")
+    if out:
+        Path(out).write_text(f"$ dfo up -H testbed -j jobs/demo-ddp.yaml\n{r.stdout}{r.stderr}[exit {r.returncode}]\n")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    seen: dict[int, dict[int, str]] = {}
+    for _host, rank, step, loss in re.findall(r"^\[(node-\d)\] rank (\d+): step (\d+) loss (\S+) \(all-reduced over 3 "
+                                             r"ranks\)", r.stdout, re.M):
+        seen.setdefault(int(step), {})[int(rank)] = loss
+    assert sorted(seen) == [10, 20, 30], r.stdout[-3000:]
+    for step, by_rank in seen.items():
+        assert set(by_rank) == {0, 1, 2} and len(set(by_rank.values())) == 1, (step, by_rank)

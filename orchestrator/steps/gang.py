@@ -4,7 +4,8 @@ Nothing here opens a connection: ``plan_gang`` turns the loaded job and the orde
 what each node runs (its environment and, with ``launcher: torchrun``, its command);
 ``preflight_problems`` and ``address_problems`` turn what the nodes reported (remote/gang.py ops
 ``facts``, ``listen`` and ``connect``) into one line per node that differs or cannot reach rank 0.
-The design and the reasons are in docs/gangs.md. Not wired into ``launch`` yet.
+The design and the reasons are in docs/gangs.md; ``prepare`` (below) runs the checks on the
+nodes before ``launch``/``up`` start a gang.
 """
 
 from __future__ import annotations
