@@ -266,3 +266,29 @@ def test_demo_ddp_on_a_gang_of_three_logs_one_all_reduced_loss(make_testbed, tmp
     assert sorted(seen) == [10, 20, 30], r.stdout[-3000:]
     for step, by_rank in seen.items():
         assert set(by_rank) == {0, 1, 2} and len(set(by_rank.values())) == 1, (step, by_rank)
+    # a rank exits 1 mid-run (the others block in the next all-reduce): the gang watch ends them all, with
+    # no controller attached (launch returns at once), and status names the node that failed
+    # (a fresh --output-dir: from the first run's checkpoint it would resume at step 30, past step 15)
+    doc["run"]["command"] = doc["run"]["command"].replace("--max-steps 30", "--max-steps 100000").replace(
+        "checkpoints/demo-ddp ", "checkpoints/demo-ddp-fail ") + " --exit-at-step 15 --exit-rank 1"
+    assert "demo-ddp-fail" in doc["run"]["command"]
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json", timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = json.loads(r.stdout)["hosts"]["node-1"]["run"]
+    gone = time.time()
+    ended = wait_gang_ended(inv, run, 180)
+    t = dfo(inv, "tail", "-H", "testbed", run, "-n", "+1", timeout=120)
+    if out:
+        with open(out, "a") as f:
+            f.write(f"$ dfo status -H testbed {run} --json\n{json.dumps(ended['gang'], indent=2)}\n"
+                    f"$ dfo tail -H testbed {run} -n +1\n{t.stdout}{t.stderr}[exit {t.returncode}]\n")
+    failer = re.findall(r"^\[(node-\d)\] rank 1: exiting with 1 at step 15", t.stdout, re.M)
+    assert len(failer) == 1, t.stdout[-3000:]
+    assert ended["gang"]["state"] == "failed" and ended["gang"]["first_failure"] == {"host": failer[0], "how": "exit 1"}
+    fail_ts = ended_ts(tb, failer[0], run)
+    for n in tb.nodes:
+        if n.name != failer[0]:
+            assert ended["gang"]["nodes"][n.name] == "stopped"
+            assert ended_ts(tb, n.name, run) - fail_ts < 60
+    assert fail_ts > gone and t.returncode == 5

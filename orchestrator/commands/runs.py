@@ -237,8 +237,11 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
         if f.state == "running":
             console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] is {state_markup(f.state)} "
                           f"(pid {safe(f.pid)}) after {r.watched:.0f}s", soft_wrap=True)
-            for label, command in (("follow", "tail"), ("status", "status"), ("stop", "stop")):
-                console.print(f"  {label + ':':8}{safe(cmd(command, host, f.id))}", highlight=False, soft_wrap=True)
+            plan = (gang or {}).get("plan")
+            if plan is None or host == plan.nodes[-1].host:  # a gang: once, for every node (-H all of them)
+                where = ",".join(n.host for n in plan.nodes) if plan is not None else host
+                for label, command in (("follow", "tail"), ("status", "status"), ("stop", "stop")):
+                    console.print(f"  {label + ':':8}{safe(cmd(command, where, f.id))}", highlight=False, soft_wrap=True)
         else:
             console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] {state_markup(f.state)} after "
                           f"{duration(f)} ({how(f)})", soft_wrap=True)
