@@ -88,8 +88,23 @@ def manifest_facts(dest):
     return {"path": dest, "source": source, "files": len(files), "bytes": total, "digest": h.hexdigest()}
 
 
+def gpu_count(proc="/proc/driver/nvidia/gpus"):
+    """The node's NVIDIA GPUs as the driver lists them (one folder each), honouring
+    CUDA_VISIBLE_DEVICES when it is a plain list; 0 without the driver."""
+    try:
+        n = len(os.listdir(proc))
+    except OSError:
+        return 0
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and vis.strip() != "":
+        n = min(n, len([v for v in vis.split(",") if v.strip() and not v.strip().startswith("-")]))
+    elif vis is not None:
+        n = 0
+    return n
+
+
 def facts(req):
-    out = {"provision": provision_facts(req["workspace"], req["job"]), "manifests": {}}
+    out = {"provision": provision_facts(req["workspace"], req["job"]), "manifests": {}, "gpus": gpu_count()}
     for kind, dest in sorted((req.get("manifests") or {}).items()):
         out["manifests"][kind] = manifest_facts(dest) if dest else None
     return out

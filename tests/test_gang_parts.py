@@ -508,3 +508,19 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
             c.close()
         for n in testbed2.nodes:
             testbed2.ssh(n, "rm -f /workspace/.dfo/provision/g.json")
+
+
+def test_gpu_count_is_what_the_driver_lists_within_cuda_visible_devices(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nproc_per_node: auto takes the node's GPU count from the facts op when the inventory gives none."""
+    from remote.gang import gpu_count
+
+    assert gpu_count(str(tmp_path / "none")) == 0  # no NVIDIA driver: 0 GPUs (auto then means 1 process)
+    for i in range(4):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_count(str(tmp_path)) == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert gpu_count(str(tmp_path)) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_count(str(tmp_path)) == 0

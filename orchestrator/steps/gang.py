@@ -267,7 +267,6 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     hosts = [sess.hosts[n] for n in sess.names]
     check_hosts(job.run, hosts, job.name)
     workspace = job_workspace(job, hosts[0].workspace)
-    plan = plan_gang(job, hosts, run_id, gpus={h.name: h.gpus for h in hosts}, workspace=workspace)
     manifests = {"data": job.data.dest if job.data else None, "model": job.model.dest if job.model else None}
 
     def facts(conn: Any) -> Any:
@@ -275,7 +274,11 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
                                               "job": job.name, "manifests": manifests}, timeout=60)
 
     got = _all_or_raise(sess.each(facts))
-    problems = preflight_problems(job.name, {h.name: got[h.name] for h in hosts})
+    # nproc_per_node auto: the inventory's hosts.NAME.gpus when set, else what the node's driver lists
+    gpus = {h.name: h.gpus if h.gpus is not None else got[h.name].get("gpus") for h in hosts}
+    plan = plan_gang(job, hosts, run_id, gpus=gpus, workspace=workspace)
+    # one node (torchrun --standalone) has nothing to agree with: its own provision is its business
+    problems = preflight_problems(job.name, {h.name: got[h.name] for h in hosts}) if len(hosts) > 1 else []
     if problems:
         raise VerifyError(f"gang preflight of job {job.name}: the nodes differ:\n  " + "\n  ".join(problems),
                           hint="provision, sync-data and stage-model every node of the gang with the same job "
