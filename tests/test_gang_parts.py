@@ -1,5 +1,5 @@
 """Gangs (issue 13), the building blocks: the plan, the preflight comparison, the address check, the
-gang watch. Not wired into launch yet (docs/gangs.md)."""
+gang watch, each on its own (docs/gangs.md); tests/test_gang.py runs them wired into launch."""
 
 from __future__ import annotations
 
