@@ -19,42 +19,10 @@ import stat
 import threading
 
 from remote.fsutil import write_atomic
+from remote.globpat import glob_regex
 
 META = ".dfo"
 SHIPPED = "shipped.json"
-
-
-def _glob_regex(pat):
-    out, i = [], 0
-    while i < len(pat):
-        c = pat[i]
-        if pat.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pat.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            j = pat.find("]", i + 1)
-            if j < 0:
-                out.append(re.escape(c))
-            else:
-                body = pat[i + 1:j]
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
-                i = j
-        elif c == "\\" and i + 1 < len(pat):
-            i += 1
-            out.append(re.escape(pat[i]))
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
 
 
 class Includer:
@@ -70,7 +38,7 @@ class Includer:
             p = p.rstrip("/")
             anchored = "/" in p
             p = p.lstrip("/")
-            rx = _glob_regex(p)
+            rx = glob_regex(p)
             self.rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
 
     def included(self, rel):

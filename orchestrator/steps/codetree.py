@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote.fsutil import human_bytes, write_atomic
+from remote.globpat import glob_regex
 
 from ..errors import ConfigError
 
@@ -41,39 +42,6 @@ class LocalFile:
 
 
 # --------------------------------------------------------------------------- gitignore-style patterns
-
-
-def _glob_regex(pat: str) -> str:
-    out, i = [], 0
-    while i < len(pat):
-        c = pat[i]
-        if pat.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pat.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            j = pat.find("]", i + 1)
-            if j < 0:
-                out.append(re.escape(c))
-            else:
-                body = pat[i + 1:j]
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
-                i = j
-        elif c == "\\" and i + 1 < len(pat):
-            i += 1
-            out.append(re.escape(pat[i]))
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
 
 
 class Excluder:
@@ -94,7 +62,7 @@ class Excluder:
             p = p.rstrip("/")
             anchored = "/" in p
             p = p.lstrip("/")
-            rx = _glob_regex(p)
+            rx = glob_regex(p)
             self.rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
 
     def excluded(self, rel: str) -> bool:
