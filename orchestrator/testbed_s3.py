@@ -188,7 +188,10 @@ class S3Server:
                     f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
                     f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
                     f"-s3.port={port}", f"-s3.port.grpc={p[7]}", f"-admin.port={p[8]}",
-                    f"-admin.port.grpc={p[9]}", f"-s3.localSocket={tmp}/s3.sock"]
+                    f"-admin.port.grpc={p[9]}", f"-s3.localSocket={tmp}/s3.sock",
+                    # every bucket takes volumes of its own; the default limit (free disk / 1 GiB: 52 here)
+                    # ran out in the full suite ("No writable volume"). Volume files grow as written.
+                    "-volume.max=2000"]
             env["TMPDIR"] = str(tmp)
         else:
             port = free_ports(1)[0]

@@ -322,3 +322,15 @@ def test_a_killed_owner_is_reaped_by_the_next_testbed(testbed: Testbed, tmp_path
     tsys.reap_stale()
     assert wait_until(lambda: not tsys.pid_alive(info["pid"]), timeout=5)
     assert info["netns"] not in tsys.run(["ip", "netns", "list"]).stdout
+
+
+@pytest.mark.skipif(bool(Testbed.missing_requirements(s3=True)), reason="testbed cannot start here")
+def test_the_testbeds_s3_takes_as_many_buckets_as_a_full_suite_makes(testbed: Testbed) -> None:
+    """Each bucket takes SeaweedFS volumes of its own; with weed mini's default limit (free disk / 1 GiB)
+    the session's S3 ran out ("No writable volume") after about 50 buckets in the full suite."""
+    assert testbed.s3 is not None
+    c = testbed.s3.client()
+    for k in range(70):
+        c.create_bucket(Bucket=f"many-{k}")
+        c.put_object(Bucket=f"many-{k}", Key="x", Body=b"y" * 10)
+    assert c.get_object(Bucket="many-69", Key="x")["Body"].read() == b"y" * 10
