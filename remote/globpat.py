@@ -36,3 +36,22 @@ def glob_regex(pat):
             out.append(re.escape(c))
         i += 1
     return "".join(out)
+
+
+def compile_rules(patterns):
+    """[(compiled regex, negated, folders only)] of gitignore-style lines: blank lines and ``#`` comments
+    skipped; ``!`` negates; a trailing ``/`` means folders only; a ``/`` at the start or inside anchors
+    the pattern at the root, else it matches a name at any depth."""
+    rules = []
+    for raw in patterns:
+        p = str(raw).strip()
+        if not p or p.startswith("#"):
+            continue
+        neg = p.startswith("!")
+        p = p[1:] if neg else p
+        dir_only = p.endswith("/")
+        p = p.rstrip("/")
+        anchored = "/" in p
+        rx = glob_regex(p.lstrip("/"))
+        rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
+    return rules

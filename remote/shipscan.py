@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import threading
 
 from remote.fsutil import write_atomic
-from remote.globpat import glob_regex
+from remote.globpat import compile_rules
 
 META = ".dfo"
 SHIPPED = "shipped.json"
@@ -27,19 +26,7 @@ SHIPPED = "shipped.json"
 
 class Includer:
     def __init__(self, patterns):
-        self.rules = []
-        for raw in patterns if patterns is not None else ["**"]:
-            p = str(raw).strip()
-            if not p or p.startswith("#"):
-                continue
-            neg = p.startswith("!")
-            p = p[1:] if neg else p
-            dir_only = p.endswith("/")
-            p = p.rstrip("/")
-            anchored = "/" in p
-            p = p.lstrip("/")
-            rx = glob_regex(p)
-            self.rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
+        self.rules = compile_rules(patterns if patterns is not None else ["**"])
 
     def included(self, rel):
         parts = rel.split("/")

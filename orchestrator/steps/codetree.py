@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote.fsutil import human_bytes, write_atomic
-from remote.globpat import glob_regex
+from remote.globpat import compile_rules
 
 from ..errors import ConfigError
 
@@ -51,19 +51,7 @@ class Excluder:
     the last pattern that matches a path decides."""
 
     def __init__(self, patterns: list[str]) -> None:
-        self.rules: list[tuple[re.Pattern[str], bool, bool]] = []
-        for raw in patterns:
-            p = raw.strip()
-            if not p or p.startswith("#"):
-                continue
-            neg = p.startswith("!")
-            p = p[1:] if neg else p
-            dir_only = p.endswith("/")
-            p = p.rstrip("/")
-            anchored = "/" in p
-            p = p.lstrip("/")
-            rx = glob_regex(p)
-            self.rules.append((re.compile(rx if anchored else "(?:.*/)?" + rx, re.S), neg, dir_only))
+        self.rules: list[tuple[re.Pattern[str], bool, bool]] = compile_rules(patterns)
 
     def excluded(self, rel: str) -> bool:
         if not self.rules:
