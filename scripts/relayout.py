@@ -18,7 +18,8 @@ What it rewrites:
   files it touched.
 * Text in *.py, *.md, *.toml, *.yaml, *.yml, *.sh, *.json, *.txt and .ci/*: dotted module names
   (``remote.s3sync``, ``python3 -m remote.runs``, ``orchestrator.connection.X``), paths
-  (``remote/s3sync.py``, ``orchestrator/demo_job/``) and ``from remote import a, b`` in strings.
+  (``remote/s3sync.py``, ``orchestrator/demo_job/``) and one-line ``from X import a, b`` in strings
+  (Python source run with ``python -c``).
   bench/results/ (records of past runs) and remote/_vendor/ (vendored as is) are left alone.
 * FIXUPS: the few lines that locate files relative to ``__file__`` or list modules by file name.
 
@@ -463,13 +464,15 @@ def _path_rules() -> list[tuple[re.Pattern[str], str]]:
     return rules
 
 
-_FROM_TEXT = re.compile(r"\bfrom (remote|orchestrator) import (\w+(?:, \w+)*)(?![\w,]| as\b)")
+_FROM_TEXT = re.compile(r"\bfrom ((?:remote|orchestrator)(?:\.\w+)*) import (\w+(?:, \w+)*)(?![\w,]| as\b)")
 
 
 def rewrite_text(text: str, mods: set[str], dotted, paths) -> str:  # type: ignore[no-untyped-def]
     def from_sub(m: re.Match[str]) -> str:
         names = [(n, None) for n in m.group(2).split(", ")]
         groups = map_from(m.group(1), names, mods)  # type: ignore[arg-type]
+        if groups == [(m.group(1), names)]:
+            return m.group(0)
         return "; ".join(render_from(b, ns, None) for b, ns in groups)
 
     text = _FROM_TEXT.sub(from_sub, text)
