@@ -32,8 +32,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import testbed_sys as tsys  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402
+from orchestrator.testbed import system as tsys  # noqa: E402
 
 
 def nodes_cpu(tb: Testbed) -> float:

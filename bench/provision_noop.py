@@ -7,7 +7,7 @@ copied onto it, a job with three lines (faketorch==2.11.0, faketriton==3.6.0, fa
 After a first provision, each figure is the median (and min) of --repeat runs of:
 
 * ``dfo provision`` -- the whole CLI: Python start, inventory and job, SSH connect, the agent's
-  content-hash check, remote.provision with one pkgcheck in the venv, the report;
+  content-hash check, remote.env.provision with one pkgcheck in the venv, the report;
 * ``provision()`` in-process over an open connection -- the same without CLI start and handshake;
 * ``ssh node true`` -- the system OpenSSH client, a new connection each time (the floor for a CLI);
 * ``ssh node uv pip install ...`` -- the installer's own no-op: the same three lines, already
@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.config import load_job  # noqa: E402
+from orchestrator.config.models import load_job  # noqa: E402
 from orchestrator.hosts import HostSession  # noqa: E402
 from orchestrator.steps.provision import provision  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.testbed import Testbed  # noqa: E402
-from remote.s3client import S3Client  # noqa: E402
+from remote.s3.client import S3Client  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 BUCKET = "bench"

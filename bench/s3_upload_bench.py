@@ -8,7 +8,7 @@ once, before the rounds (so every tool reads them from the page cache): (a) --sm
 (b) --big files of 256 MiB. Each tool runs ON the node, started there directly (no SSH: the shipper
 runs on the node in production, beside the trainer), and sends the folder to a fresh prefix:
 
-* dfo: `python3 -m remote.shipper RUN_DIR` exactly as the run's supervisor starts it, spec on stdin
+* dfo: `python3 -m remote.ship.shipper RUN_DIR` exactly as the run's supervisor starts it, spec on stdin
   (outputs.path = the folder, outputs.dest = s3://bench/PREFIX/, the job defaults: settle 10 s, cpu 2,
   s3.concurrency 32, 16 MiB parts above 64 MiB), stdin then closed: one pass, then the last pass, then
   it exits. Every object is checked: Content-MD5 and the signed sha256 of every PUT and part, the
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import s3_bench  # noqa: E402 - install_peers, the peers' binaries
 
 from orchestrator.testbed import Testbed  # noqa: E402
-from remote.s3client import S3Client  # noqa: E402
+from remote.s3.client import S3Client  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 BUCKET = s3_bench.BUCKET
@@ -105,7 +105,7 @@ class UpBench(s3_bench.Bench):
             spec.write_text(json.dumps(self.spec(case, prefix)) + "\n")
             spec.chmod(0o600)
             self.sh(f"rm -rf {src}/.dfo {run_dir} && mkdir -p {run_dir}")
-            cmd = f"cd /root/bench-dfo && python3 -m remote.shipper {run_dir} < /root/bench-spec.json"
+            cmd = f"cd /root/bench-dfo && python3 -m remote.ship.shipper {run_dir} < /root/bench-spec.json"
         elif tool == "s5cmd":
             cmd = f"/root/bench-bin/s5cmd --endpoint-url {url} cp '{src}/*' s3://{BUCKET}/{prefix}/ >/dev/null"
         else:
@@ -190,7 +190,7 @@ Median of {a.rounds}:
 - Every tool runs on the testbed node (its own network namespace; /workspace on this machine's
   disk), started there directly, no SSH, reading files written once before the rounds (page cache),
   each run to a fresh prefix of the testbed's SeaweedFS (`weed mini`, disk-backed), after `sync`.
-- dfo: `python3 -m remote.shipper RUN_DIR` as the supervisor starts it, spec on stdin, then stdin
+- dfo: `python3 -m remote.ship.shipper RUN_DIR` as the supervisor starts it, spec on stdin, then stdin
   closed (one pass, then the last pass, then exit), with the job defaults (settle 10 s, cpu 2,
   s3.concurrency 32, 16 MiB parts above 64 MiB). Checks: Content-MD5 and the signed sha256 payload
   hash of every PUT and part (the server refuses other bytes), the returned ETag compared with the

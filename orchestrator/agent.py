@@ -22,7 +22,6 @@ from typing import Any
 import remote
 from remote._proto import RESULT_PREFIX, split_frame
 
-from .connection import Connection, Result
 from .errors import (
     AgentMissing,
     ConfigError,
@@ -33,6 +32,7 @@ from .errors import (
     RunFailed,
     VerifyError,
 )
+from .transport.ssh import Connection, Result
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
 NEED_UPLOAD = 97

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .errors import EXIT_UNEXPECTED, DfoError, HostError
 
 if TYPE_CHECKING:  # config (pydantic, yaml) and connection (fabric, paramiko) load when a session opens
-    from .config import Inventory, ResolvedHost
-    from .connection import Connection
+    from .config.models import Inventory, ResolvedHost
+    from .transport.ssh import Connection
 
 T = TypeVar("T")
 PARALLEL = 16  # hosts worked on at once by default (SSH handshakes and agent checks cost CPU here)
@@ -60,7 +60,7 @@ class HostSession:
     """Hosts named by -H, each with at most one connection for the whole command."""
 
     def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
-        from .config import expand_targets, load_inventory, resolve_host
+        from .config.models import expand_targets, load_inventory, resolve_host
 
         self.inventory, self.inventory_path = load_inventory(inventory)
         self.names = expand_targets(self.inventory, targets, self.inventory_path)
@@ -74,7 +74,7 @@ class HostSession:
     def from_inventory(cls, inv: Inventory, path: Path, names: list[str]) -> HostSession:
         self = cls.__new__(cls)
         self.inventory, self.inventory_path, self.names = inv, path, names
-        from .config import resolve_host
+        from .config.models import resolve_host
 
         self.hosts = {n: resolve_host(inv, n, path) for n in names}
         self._conns, self._lock = {}, threading.Lock()
@@ -84,7 +84,7 @@ class HostSession:
         with self._lock:
             c = self._conns.get(name)
             if c is None:
-                from .connection import open_connection
+                from .transport.ssh import open_connection
 
                 c = self._conns[name] = open_connection(self.hosts[name])
             return c

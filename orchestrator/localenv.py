@@ -7,7 +7,7 @@ local commands get only the variables below; what a job's trainer needs beyond t
 ``run.env`` or ``run.secret_env`` (they travel in the request, on stdin, as over SSH).
 
 A variable is kept when its name is in ``ALLOW`` or starts with a prefix in ``ALLOW_PREFIXES``,
-and it is not a secret by name or value (remote.redact.is_secret: ``NVIDIA_API_KEY`` goes even
+and it is not a secret by name or value (remote.lib.redact.is_secret: ``NVIDIA_API_KEY`` goes even
 though ``NVIDIA_*`` is allowed).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from remote.redact import is_secret
+from remote.lib.redact import is_secret
 
 ALLOW = frozenset({
     # the session

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # ============================================================================================
-# testbed fixtures (orchestrator/testbed.py): real sshd nodes + a real S3 server on this machine
+# testbed fixtures (orchestrator/testbed/__init__.py): real sshd nodes + a real S3 server on this machine
 #
 #   testbed        session: 1 node + S3. Shared: do not rotate its host key or leave its link down.
 #   testbed2       module: 2 nodes + S3.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from remote import known_bad as kb
+from remote.env import known_bad as kb
 from remote.gpu import autotune_guard as guard
 from remote.gpu.warmup import tuned_between
 

@@ -264,7 +264,7 @@ class Counted:
         self.conn.run = run  # type: ignore[method-assign]
 
     def push(self, job: Path) -> Any:
-        from orchestrator.config import load_job
+        from orchestrator.config.models import load_job
         from orchestrator.steps.code import push_code
 
         self.commands.clear()
@@ -280,8 +280,8 @@ def test_a_push_from_here_again_is_one_command(env: Env, monkeypatch: pytest.Mon
     try:
         first = c.push(job)
         assert (first.status, first.fetched) == ("done", 20)  # the node's manifest, then the files (and the agent)
-        ran = [cmd for cmd in c.commands if "remote.codepush" in cmd]
-        assert ran and all(" -S -m remote.codepush" in cmd for cmd in ran), ran  # no site-packages on the node
+        ran = [cmd for cmd in c.commands if "remote.files.push" in cmd]
+        assert ran and all(" -S -m remote.files.push" in cmd for cmd in ran), ran  # no site-packages on the node
         none = c.push(job)
         assert (none.status, none.fetched, len(c.commands)) == ("no change", 0, 1)
         (env.src / "m3.py").write_text("x = 'three'\n")
@@ -357,7 +357,7 @@ def test_the_tree_digest_is_reused_only_while_every_file_keeps_its_key(tmp_path:
     one byte changed: another digest."""
     from orchestrator.steps import codetree
     from orchestrator.steps.code import Local
-    from remote.codepush import digest_of
+    from remote.files.push import digest_of
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     src = tmp_path / "src"
@@ -366,7 +366,7 @@ def test_the_tree_digest_is_reused_only_while_every_file_keeps_its_key(tmp_path:
         (src / f"pkg/m{i}.py").write_text(f"x = {i}\n")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"name": "t", "venv": "/usr", "code": {"source": "src", "dest": "/root/c"}}))
-    from orchestrator.config import load_job
+    from orchestrator.config.models import load_job
 
     loaded = load_job(job)
     first = Local(loaded).result()

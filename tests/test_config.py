@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import cli
-from orchestrator.config import expand_targets, load_inventory, load_job, resolve_host
+from orchestrator.config.models import expand_targets, load_inventory, load_job, resolve_host
 from orchestrator.errors import ConfigError, UsageError
 
 INV = """\

@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orchestrator.demo_data import write_data, write_model  # noqa: E402
+from orchestrator.demo.data import write_data, write_model  # noqa: E402
 
-TRAIN = Path(__file__).resolve().parent.parent / "orchestrator" / "demo_job" / "train.py"
+TRAIN = Path(__file__).resolve().parent.parent / "orchestrator" / "demo" / "job" / "train.py"
 
 
 def torchrun(tmp: Path, out: str, *extra: str) -> subprocess.CompletedProcess[str]:

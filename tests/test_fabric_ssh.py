@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config import load_inventory, resolve_host
-from orchestrator.connection import Connection
+from orchestrator.config.models import load_inventory, resolve_host
 from orchestrator.errors import ConnectionLost, HostError
-from orchestrator.localconn import LocalConnection
-from orchestrator.transport import STDERR_KEEP, Transport, open_connection
+from orchestrator.transport.base import STDERR_KEEP, Transport, open_connection
+from orchestrator.transport.local import LocalConnection
+from orchestrator.transport.ssh import Connection
 
 on_testbed = pytest.mark.testbed
 

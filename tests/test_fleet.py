@@ -397,7 +397,7 @@ def test_each_reports_hosts_in_the_order_they_finish_and_never_hangs(tmp_path: P
     """HostSession.each: on_done runs (in the caller's thread) for a host as soon as it is done: the
     slow host here cannot finish until the fast host's on_done has run. A worker that dies of a
     BaseException still gives its host an outcome (exit 1) instead of leaving the wait hanging."""
-    from orchestrator.config import load_inventory
+    from orchestrator.config.models import load_inventory
     from orchestrator.hosts import HostSession
 
     p = tmp_path / "inventory.yaml"

@@ -5,7 +5,7 @@ One run id, each node's rank and addresses, a merged tail; a failing node ends t
 controller attached; a vanished node ends the others and shows as lost; a node whose provision
 record differs is refused before any launch (exit 3).
 
-The provision records are written into each node's workspace in the layout remote/provision.py
+The provision records are written into each node's workspace in the layout remote/env/provision.py
 writes (tests/test_provision.py covers provision itself): the gang's preflight only reads them.
 """
 
@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from orchestrator.commands.demo import DEFAULT_WHEELS
-from orchestrator.demo_data import write_data, write_model
+from orchestrator.demo.data import write_data, write_model
 from orchestrator.testbed import Testbed
 from tests._runs_fixtures import dfo, inventory_copy
 from tests.conftest import start_testbed

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import Job, ResolvedHost
+from orchestrator.config.models import Job, ResolvedHost
 from orchestrator.errors import EXIT_USAGE, ConfigError, UsageError
 from orchestrator.steps.gang import address_problems, plan_gang, preflight_problems
-from remote import gang as rgang
-from remote.gangwatch import GangWatch
-from remote.gangwire import _Chan, _mac
+from remote.gang import ops as rgang
+from remote.gang.watch import GangWatch
+from remote.gang.wire import _Chan, _mac
 
 ROOT = Path(__file__).resolve().parent.parent
 # a watch thread that dies on a stranger's bytes is a failure here, not a warning
@@ -126,7 +126,7 @@ def test_preflight_names_the_node_that_differs_and_how() -> None:
 
 
 def test_the_facts_op_reads_the_provision_record_and_the_manifests(tmp_path: Path) -> None:
-    """remote.gang facts on real files in the layout remote/provision.py and remote/s3manifest.py write."""
+    """remote.gang facts on real files in the layout remote/env/provision.py and remote/s3/manifest.py write."""
     ws = tmp_path / "ws"
     (ws / ".dfo/provision").mkdir(parents=True)
     (ws / ".dfo/provision/g.json").write_text(json.dumps({"ok": True, "python": "3.12.3",
@@ -352,7 +352,7 @@ def _spawn(rank: int, hosts: list[str], port: int, secret: bytes, command: list[
            **kw: Any) -> subprocess.Popen[str]:
     spec = dict(FAST, rank=rank, hosts=hosts, hub="127.0.0.1", port=port, secret=secret.hex(), gang_id="run-p",
                 command=command, stop_grace=2, linger=20, **kw)
-    p = subprocess.Popen([sys.executable, "-m", "remote.gangwatch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "remote.gang.watch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT)
     assert p.stdin is not None
     p.stdin.write(json.dumps(spec) + "\n")
@@ -368,7 +368,7 @@ def _events(p: subprocess.Popen[str], timeout: float = 40) -> list[dict[str, Any
 
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_a_silent_member_process_is_declared_lost_and_the_others_stop(how: str) -> None:
-    """Real processes: a hub and two members, each running `sleep 60` under remote.gangwatch. One
+    """Real processes: a hub and two members, each running `sleep 60` under remote.gang.watch. One
     member process is frozen (SIGSTOP: no FIN, no heartbeat) or killed (its trainer keeps running,
     orphaned, as when a supervisor dies): the hub declares it lost and every other trainer stops."""
     hosts, secret, port = ["node-1", "node-2", "node-3"], secrets.token_bytes(32), _free_port()
@@ -453,8 +453,8 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
     gang address, and fails naming both nodes with a wrong private_address; the preflight names
     the node whose provision record has another torch; the node finds the interface for gloo."""
     from orchestrator.agent import run_module
-    from orchestrator.config import load_inventory, resolve_host
-    from orchestrator.connection import open_connection
+    from orchestrator.config.models import load_inventory, resolve_host
+    from orchestrator.transport.ssh import open_connection
     from tests._runs_fixtures import inventory_copy
 
     inv, p = load_inventory(inventory_copy(testbed2, tmp_path))
@@ -486,7 +486,7 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
         probs = check([wrong, b])
         assert len(probs) == 1 and probs[0].startswith(f"{b.name} cannot reach {a.name} at 127.0.0.1:{port}: ")
         assert "refused" in probs[0] and f"hosts.{a.name}.private_address" in probs[0]
-        # preflight: provision records written as remote/provision.py writes them, one torch differs
+        # preflight: provision records written as remote/env/provision.py writes them, one torch differs
         facts = {}
         for h, torch in ((a, "2.11.0"), (b, "2.10.0")):
             rec = json.dumps({"ok": True, "python": "3.12.3", "packages_after": {"torch": torch}})
@@ -513,7 +513,7 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
 def test_gpu_count_is_what_the_driver_lists_within_cuda_visible_devices(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """nproc_per_node: auto takes the node's GPU count from the facts op when the inventory gives none."""
-    from remote.gang import gpu_count
+    from remote.gang.ops import gpu_count
 
     assert gpu_count(str(tmp_path / "none")) == 0  # no NVIDIA driver: 0 GPUs (auto then means 1 process)
     for i in range(4):

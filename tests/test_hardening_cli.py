@@ -27,7 +27,7 @@ import yaml
 from click.testing import CliRunner
 
 from orchestrator.cli import cli
-from orchestrator.config import load_job
+from orchestrator.config.models import load_job
 from orchestrator.errors import ConfigError
 from tests._runs_fixtures import RunsEnv, inventory_copy
 

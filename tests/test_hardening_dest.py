@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from remote.s3manifest import Manifest
+from remote.s3.manifest import Manifest
 from tests._s3_fixtures import Xfer, random_files, upload, xfer  # noqa: F401
 
 pytestmark = pytest.mark.testbed
@@ -300,4 +300,4 @@ def test_manifest_entries_from_before_identity_records_are_trusted_then_upgraded
 
 def test_dest_module_parses_as_python_3_8() -> None:
     root = Path(__file__).resolve().parent.parent / "remote"
-    ast.parse((root / "s3dest.py").read_text(), feature_version=(3, 8))
+    ast.parse((root / "lib" / "destsafety.py").read_text(), feature_version=(3, 8))

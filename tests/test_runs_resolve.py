@@ -1,4 +1,4 @@
-"""The node side's choice of a run (remote.runs.resolve): pure logic over a folder of run records."""
+"""The node side's choice of a run (remote.runs.ops.resolve): pure logic over a folder of run records."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from remote import runs
 from remote._proto import RemoteError
+from remote.runs import ops as runs
 
 
 def _workspace(tmp_path: Path) -> Path:

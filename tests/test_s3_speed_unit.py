@@ -3,7 +3,7 @@
 The figures behind each one are in docs/benchmarks.md (## sync-data)."""
 from __future__ import annotations
 
-from remote import s3client
+from remote.s3 import client as s3client
 
 
 def test_the_receive_buffer_fits_a_cores_l2_cache() -> None:

@@ -1,4 +1,4 @@
-"""The upload engine (remote/s3put.py) against real S3 servers: the testbed's SeaweedFS, a fault proxy in
+"""The upload engine (remote/s3/upload.py) against real S3 servers: the testbed's SeaweedFS, a fault proxy in
 front of it, and rclone's S3 server. It is stdlib node code: it runs here, in-process."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import S3Endpoint, Testbed
-from orchestrator.testbed_proxy import FaultProxy
-from orchestrator.testbed_s3 import S3Server, find_binary
-from remote.retry import Stopped
-from remote.s3client import S3Client
-from remote.s3put import CpuGovernor, Uploader, local_etag, multipart_etag
+from orchestrator.testbed.proxy import FaultProxy
+from orchestrator.testbed.s3 import S3Server, find_binary
+from remote.lib.retry import Stopped
+from remote.s3.client import S3Client
+from remote.s3.upload import CpuGovernor, Uploader, local_etag, multipart_etag
 
 MIB = 1 << 20
 
@@ -266,7 +266,7 @@ def test_the_governor_holds_a_real_upload_to_its_budget(ep: S3Endpoint, tmp_path
 
 
 def test_the_memory_budget() -> None:
-    from remote.putlimits import MemBudget
+    from remote.s3.limits import MemBudget
 
     stop = threading.Event()
     mem = MemBudget(10, stop)
@@ -291,7 +291,7 @@ def test_the_memory_budget() -> None:
 
 
 def test_the_part_size_grows_past_10000_parts() -> None:
-    from remote.s3put import part_size_for
+    from remote.s3.upload import part_size_for
 
     assert part_size_for(100 * MIB, 16 * MIB) == 16 * MIB
     assert part_size_for(156 * 1024 * MIB, 16 * MIB) == 16 * MIB  # 9,984 parts

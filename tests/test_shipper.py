@@ -1,4 +1,4 @@
-"""The outputs shipper (remote/shipper.py): the process protocol, the settle rule, what is skipped, the
+"""The outputs shipper (remote/ship/shipper.py): the process protocol, the settle rule, what is skipped, the
 bookkeeping, against the testbed's real S3 server. The shipper is stdlib node code: it runs here, as a
 process (spec on stdin) or in-process (run_pass), talking to the testbed's S3 over the network."""
 
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import S3Endpoint, Testbed
-from remote import shipper
-from remote.shipscan import Includer, renamed, settled
+from remote.ship import shipper
+from remote.ship.scan import Includer, renamed, settled
 
 pytestmark = pytest.mark.testbed
 REPO = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ class ShipperProc:
         self.run_dir = run_dir
         if ShipperProc.python is None:
             ShipperProc.python = node_python()
-        self.proc = subprocess.Popen([ShipperProc.python, "-m", "remote.shipper", str(run_dir)], cwd=REPO,
+        self.proc = subprocess.Popen([ShipperProc.python, "-m", "remote.ship.shipper", str(run_dir)], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())

@@ -89,7 +89,7 @@ NO_BOTO3 = """
 import sys
 sys.modules["boto3"] = None  # import boto3 fails: what a plain `pip install dfo-orchestrator` has
 from pathlib import Path
-from orchestrator.testbed_s3 import S3Server
+from orchestrator.testbed.s3 import S3Server
 srv = S3Server(Path(sys.argv[1]), "127.0.0.1")
 ep = srv.start()
 try:
@@ -110,7 +110,7 @@ finally:
 
 
 def test_testbed_s3_fills_buckets_without_boto3(tmp_path: Path) -> None:
-    from orchestrator.testbed_s3 import S3Server
+    from orchestrator.testbed.s3 import S3Server
 
     if S3Server.missing():
         pytest.skip(S3Server.missing())
@@ -136,8 +136,8 @@ import json, os, sys
 from pathlib import Path
 import orchestrator, remote
 from orchestrator.commands import demo
-from orchestrator.config import load_job
-from orchestrator.testbed_node import PROJECT_ROOT, hidden_paths
+from orchestrator.config.models import load_job
+from orchestrator.testbed.node import PROJECT_ROOT, hidden_paths
 out = Path(sys.argv[1])
 job = load_job(str(demo.demo_job(out, "http://10.9.9.9:9000", 7))).job
 print(json.dumps({
@@ -188,8 +188,8 @@ def test_installed_wheel_runs_the_demo_outside_a_checkout(installed: Path, tmp_p
     # the installed copy, not this checkout, and the demo's files come with it
     assert doc["orchestrator"].startswith(site) and doc["remote"].startswith(site)
     assert doc["checkout"] == "None"
-    assert doc["demo_job"] == f"{site}/orchestrator/demo_job/demo.yaml"
-    assert doc["upload"] == [f"{site}/orchestrator/demo_job/train.py"]
+    assert doc["demo_job"] == f"{site}/orchestrator/demo/job/demo.yaml"
+    assert doc["upload"] == [f"{site}/orchestrator/demo/job/train.py"]
     assert Path(doc["upload"][0]).read_text().startswith('"""A small but real DFlash-style trainer')
     assert doc["endpoint"] == "http://10.9.9.9:9000" and "--max-steps 7" in doc["command"]
     assert doc["wheels"] == str(tmp_path / "cache" / "dfo" / "demo-wheels")

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
-from orchestrator import testbed_sys as tsys
 from orchestrator.testbed import PROJECT_ROOT, Testbed
-from orchestrator.testbed_s3 import S3Server, find_binary
+from orchestrator.testbed import system as tsys
+from orchestrator.testbed.s3 import S3Server, find_binary
 
 pytestmark = pytest.mark.testbed
 

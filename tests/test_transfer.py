@@ -111,7 +111,7 @@ def test_credentials_never_visible(xfer: Xfer, many) -> None:  # noqa: F811
         pid = xfer.lock_pid(dest)
         listing = xfer.sh("ps -eo pid,args").stdout
         own = xfer.sh(f"tr '\\0' '\\n' < /proc/{pid}/environ; tr '\\0' ' ' < /proc/{pid}/cmdline").stdout
-        assert "remote.s3sync" in listing
+        assert "remote.transfer.sync" in listing
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -13,14 +13,14 @@ from unittest import mock
 
 import pytest
 
-from orchestrator.config import LoadedJob, S3Config, load_job
+from orchestrator.config.models import LoadedJob, S3Config, load_job
 from orchestrator.errors import ConfigError
 from orchestrator.steps.transfer import build_request, controller_credentials
-from remote import s3verify
 from remote._proto import RemoteError
-from remote.s3manifest import Manifest
-from remote.s3sig import node_credentials, sign
-from remote.s3sync import check_space, list_source
+from remote.s3 import verify as s3verify
+from remote.s3.manifest import Manifest
+from remote.s3.sig import node_credentials, sign
+from remote.transfer.sync import check_space, list_source
 
 DOC_CREDS = {"access_key": "AKIAIOSFODNN7EXAMPLE", "secret_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"}
 
@@ -59,7 +59,7 @@ def test_sigv4_matches_botocore_on_awkward_keys_and_queries() -> None:
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    from remote.s3sig import EMPTY_SHA256, uri_encode
+    from remote.s3.sig import EMPTY_SHA256, uri_encode
 
     key = "dir with spaces/ünï+cödé=&~x (1).bin"
     query = [("list-type", "2"), ("prefix", "a b/ü+&="), ("continuation-token", "1/2+3==")]
@@ -248,5 +248,6 @@ def test_node_side_modules_parse_as_python_3_8() -> None:
     import ast
 
     root = Path(__file__).resolve().parent.parent / "remote"
-    for name in ("s3client", "s3engine", "s3manifest", "s3sig", "s3stage", "s3sync", "s3verify"):
+    for name in ("s3/client", "s3/download", "s3/manifest", "s3/sig", "transfer/stage", "transfer/sync",
+                 "s3/verify"):
         ast.parse((root / f"{name}.py").read_text(), feature_version=(3, 8))

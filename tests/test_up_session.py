@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from orchestrator import agent
-from orchestrator.config import ResolvedHost, load_job
-from orchestrator.connection import Result
+from orchestrator.config.models import ResolvedHost, load_job
 from orchestrator.errors import AgentMissing, ConfigError, HostError, NoResult, VerifyError
 from orchestrator.steps import transfer
+from orchestrator.transport.ssh import Result
 
 # ------------------------------------------------------------------------- typed errors (pure logic)
 
@@ -91,7 +91,7 @@ def test_transfer_tells_errors_apart_by_class_not_by_words(tmp_path: Path) -> No
 def test_an_unresolved_name_is_found_under_any_wrapping_not_by_its_words(tmp_path: Path) -> None:
     import socket
 
-    from orchestrator.config import Inventory, load_inventory
+    from orchestrator.config.models import Inventory, load_inventory
     from orchestrator.hosts import HostSession
 
     inv = tmp_path / "inv.yaml"

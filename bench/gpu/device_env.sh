@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-dfo/*.whl
 python3 -m pip install -q --no-index --no-deps .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD COLUMNS=160
-python3 -c "from pathlib import Path; from orchestrator.demo_data import write_model, write_data; \
+python3 -c "from pathlib import Path; from orchestrator.demo.data import write_model, write_data; \
 print(write_model(Path('/root/demo-src/model'), d=256, heads=4), write_data(Path('/root/demo-src/data')))"
 printf 'defaults: {known_hosts: /tmp/kh}\nhosts:\n  %s: {transport: local}\n' "$HOST" > /tmp/inv.yaml
 D() { echo "\$ dfo $*"; python3 -m orchestrator.cli -i /tmp/inv.yaml "$@"; echo "# exit status $?"; }

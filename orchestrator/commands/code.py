@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from remote.fsutil import human_bytes
+from remote.lib.fsutil import human_bytes
 
 from ..cli_common import console, emit, err_console, hosts_option, job_option, json_option, safe, session
-from ..config import load_job
+from ..config.models import load_job
 from ..steps.code import CodeReport, push_code, start_local
 from .report_view import files, print_moved, print_names
 
 if TYPE_CHECKING:
-    from ..connection import Connection
+    from ..transport.ssh import Connection
 
 _OUT = threading.Lock()
 

@@ -22,9 +22,9 @@ from ..cli_common import (
     print_outcome,
     session,
 )
-from ..config import LoadedJob, load_job
-from ..connection import Connection
+from ..config.models import LoadedJob, load_job
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, transfer
+from ..transport.ssh import Connection
 from .report_view import print_moved, print_names
 
 if TYPE_CHECKING:

@@ -16,15 +16,15 @@ import click
 import yaml
 from rich.markup import escape
 
-from remote.fsutil import human_bytes
+from remote.lib.fsutil import human_bytes
 
 from ..cli_common import err_console
-from ..demo_data import write_data, write_model
+from ..demo.data import write_data, write_model
 from ..errors import ConfigError, HostError
 from .up import up_cmd
 
 # the demo's job and trainer: package data, so the demo runs from an installed wheel as from a checkout
-DEMO_JOB = Path(__file__).resolve().parents[1] / "demo_job" / "demo.yaml"
+DEMO_JOB = Path(__file__).resolve().parents[1] / "demo" / "job" / "demo.yaml"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 

@@ -10,8 +10,8 @@ import click
 from ..cli_common import hosts_option, job_option, json_option, session
 
 if TYPE_CHECKING:
-    from ..connection import Connection
     from ..steps.outputs import OutputsReport, ShipReport
+    from ..transport.ssh import Connection
 
 _OUT = threading.Lock()
 
@@ -21,7 +21,7 @@ def _when(iso: str | None) -> str:
 
 
 def render_outputs(host: str, r: OutputsReport) -> None:
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     from ..cli_common import console, safe
     from ..steps.outputs import files
@@ -62,7 +62,7 @@ def render_outputs(host: str, r: OutputsReport) -> None:
 
 
 def render_ship(host: str, r: ShipReport) -> None:
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     from ..cli_common import console, safe
     from ..steps.outputs import files
@@ -124,7 +124,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
     pass failed (S3 refused, a check failed); 4 host unreachable.
     """
     from ..cli_common import emit
-    from ..config import load_job
+    from ..config.models import load_job
     from ..errors import EXIT_VERIFY, UsageError
     from ..steps import outputs as steps
     from .runs import _given_run

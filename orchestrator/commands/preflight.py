@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..config import LoadedJob
+from ..config.models import LoadedJob
+from ..config.yamlpos import line_in_file
 from ..errors import ConfigError
 from ..steps.runs import split_env
 from ..steps.transfer import build_request
-from ..yamlpos import line_in_file
 
 
 def check_uploads(loaded: LoadedJob) -> None:

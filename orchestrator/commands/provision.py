@@ -18,7 +18,7 @@ from ..cli_common import (
     safe,
     session,
 )
-from ..config import LoadedJob, load_job
+from ..config.models import LoadedJob, load_job
 from ..errors import EXIT_OK, DfoError
 from ..steps.provision import ProvisionReport, provision
 

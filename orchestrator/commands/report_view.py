@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from remote.fsutil import human_bytes
+from remote.lib.fsutil import human_bytes
 
 from ..cli_common import console, safe
 from ..steps.report import MoveReport

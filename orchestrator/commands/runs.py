@@ -24,13 +24,13 @@ from ..cli_common import (
     safe,
     session,
 )
-from ..config import LoadedJob, RunConfig, load_job
-from ..connection import Connection
+from ..config.models import LoadedJob, RunConfig, load_job
 from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
 from ..steps.gang import check_hosts, is_gang
 from ..steps.outputs import final_line as outputs_final
+from ..transport.ssh import Connection
 from .runs_follow import follow_hosts
 from .runs_follow import run_workspace as _workspace
 from .runs_gang import gang_line, gang_summary

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..cli_common import err_console, report_error, safe
-from ..config import LoadedJob
+from ..config.models import LoadedJob
 from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost
 from ..steps import runs as steps
@@ -22,8 +22,8 @@ from ..steps.outputs import final_line
 from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
-    from ..connection import Connection
     from ..hosts import HostSession, Outcome
+    from ..transport.ssh import Connection
 
 
 def run_workspace(conn: Connection, loaded: LoadedJob | None) -> str:

@@ -28,7 +28,7 @@ from ..cli_common import (
     safe,
     session,
 )
-from ..config import LoadedJob, load_job
+from ..config.models import LoadedJob, load_job
 from ..errors import DfoError, UsageError
 from ..hosts import HostSession, Outcome
 from ..steps.gang import check_hosts, is_gang

@@ -7,10 +7,10 @@ from typing import Any
 import click
 from rich.table import Table
 
-from remote.fsutil import human_bytes
+from remote.lib.fsutil import human_bytes
 
 from ..cli_common import console, each_and_emit, hosts_option, job_option, json_option, safe, session
-from ..config import load_job
+from ..config.models import load_job
 from ..steps.verify_env import VerifyReport, verify_env
 from .runs_view import dfo_cmd
 

@@ -1,4 +1,4 @@
-"""Typed views of what the node's read-only probes answer (remote/probe.py, remote/pkgcheck.py)."""
+"""Typed views of what the node's read-only probes answer (remote/env/probe.py, remote/env/pkgcheck.py)."""
 
 from __future__ import annotations
 

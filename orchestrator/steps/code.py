@@ -4,7 +4,7 @@
    it (sha256, cached locally by size, mtime and inode). ``start_local`` does it in a thread, so
    that ``dfo sync-code`` lists while it imports the SSH layer and connects.
 2. When this machine pushed to that node and dest before, it knows the manifest it left there
-   (codetree.Pushed): ONE command (``remote.codepush`` op ``sync``) carries the files changed
+   (codetree.Pushed): ONE command (``remote.files.push`` op ``sync``) carries the files changed
    since, the deletions, and ``want``, the digest of the whole tree here. The node applies them
    (each file's sha256 checked, renamed into place), then checks that its manifest has digest
    ``want`` and that every file is still as dfo left it (stat only). Nothing changed: nothing
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import Field
 
-from remote.codepush import digest_of
-from remote.fsutil import human_bytes
+from remote.files.push import digest_of
+from remote.lib.fsutil import human_bytes
 
 from ..cli_common import clean
-from ..config import LoadedJob, RunConfig
+from ..config.models import LoadedJob, RunConfig
 from ..errors import ConfigError
 from .codetree import (
     LocalFile,
@@ -52,9 +52,9 @@ from .codetree import (
 from .report import MoveReport
 
 if TYPE_CHECKING:
-    from ..connection import Connection
+    from ..transport.ssh import Connection
 
-MODULE = "remote.codepush"
+MODULE = "remote.files.push"
 PUSH_TIMEOUT_S = 24 * 3600.0
 
 

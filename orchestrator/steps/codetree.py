@@ -23,8 +23,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote.fsutil import human_bytes, write_atomic
-from remote.globpat import compile_rules
+from remote.lib.fsutil import human_bytes, write_atomic
+from remote.lib.globpat import compile_rules
 
 from ..errors import ConfigError
 
@@ -209,7 +209,7 @@ def stat_digest(files: dict[str, LocalFile]) -> str:
 
 
 def cached_tree_digest(source: Path, stat_sum: str) -> str | None:
-    """The tree digest (remote.codepush.digest_of) recorded with ``stat_sum``: when every file has the
+    """The tree digest (remote.files.push.digest_of) recorded with ``stat_sum``: when every file has the
     key it had then, every hash is the cached one, and so is the digest; the 5,000-entry hash cache
     need not be read."""
     try:

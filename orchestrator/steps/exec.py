@@ -1,4 +1,4 @@
-"""exec: one ad-hoc command on a node, its output streamed line by line (remote/fleetexec.py).
+"""exec: one ad-hoc command on a node, its output streamed line by line (remote/exec.py).
 
 The user's argv is joined with shlex.join (each word arrives as it was given: no re-splitting, no
 expansion by dfo), and the node's login shell runs that text, as ssh runs a command. For pipes or
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..agent import run_module
-from ..transport import Transport
+from ..transport.base import Transport
 
 NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
 #                            still ends a call whose link died)
@@ -98,7 +98,7 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
 
     start = time.monotonic()
     limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S
-    data = run_module(conn, "remote.fleetexec", {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
+    data = run_module(conn, "remote.exec", {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
                       timeout=limit, on_event=on_event)
     data = data if isinstance(data, dict) else {}
     return ExecResult(conn.name, int(data.get("exit", 1)), float(data.get("seconds") or time.monotonic() - start),

@@ -2,7 +2,7 @@
 
 Nothing here opens a connection: ``plan_gang`` turns the loaded job and the ordered hosts into
 what each node runs (its environment and, with ``launcher: torchrun``, its command);
-``preflight_problems`` and ``address_problems`` turn what the nodes reported (remote/gang.py ops
+``preflight_problems`` and ``address_problems`` turn what the nodes reported (remote/gang/ops.py ops
 ``facts``, ``listen`` and ``connect``) into one line per node that differs or cannot reach rank 0.
 The design and the reasons are in docs/gangs.md; ``prepare`` (below) runs the checks on the
 nodes before ``launch``/``up`` start a gang.
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Job, ResolvedHost, RunConfig
+from ..config.models import Job, ResolvedHost, RunConfig
 from ..errors import ConfigError, UsageError
 from .runs import render_command
 

@@ -1,6 +1,6 @@
 """Following a run's log over SSH: exact resume, bounded memory, truncation and rotation.
 
-The node side is ``remote/runs.py`` ``follow``: ONE long-lived remote command per connection that
+The node side is ``remote/runs/ops.py`` ``follow``: ONE long-lived remote command per connection that
 streams the log's new bytes as framed events (``agent.run_module``'s ``on_event``), in order:
 
 * ``{"start": OFFSET, "run": ID, "job": ..., "pid": ..., "ino": "DEV:INO"|null}``, always first;
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent import run_module
-from ..connection import Connection
 from ..errors import ConnectionLost, DfoError, HostError, HostKeyError, NoResult, RemoteCommandError
+from ..transport.ssh import Connection
 
 MODULE = "remote.runs"
 HEARTBEAT_S = 2.0

@@ -1,7 +1,7 @@
 """outputs: on the controller: the shipper's spec, restore before launch, and what was shipped.
 
-The node side is remote/shipper.py (one pass, and the long-lived shipper the run's supervisor
-starts) and the ``outputs`` / ``ship`` ops of remote/runs.py. This side builds the spec the launch
+The node side is remote/ship/shipper.py (one pass, and the long-lived shipper the run's supervisor
+starts) and the ``outputs`` / ``ship`` ops of remote/runs/ops.py. This side builds the spec the launch
 request carries (``{name}`` and ``{run_id}`` expanded in outputs.path and outputs.dest, the job's
 ``s3:`` settings), resolves S3 credentials like sync-data does (steps/transfer.controller_credentials:
 they go in the request on stdin only), and before a launch puts back what outputs.dest holds when
@@ -17,9 +17,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..agent import run_module
-from ..config import LoadedJob, OutputsConfig
-from ..connection import Connection
+from ..config.models import LoadedJob, OutputsConfig
 from ..errors import RemoteCommandError
+from ..transport.ssh import Connection
 from .report import MoveReport
 
 MODULE = "remote.runs"
@@ -157,7 +157,7 @@ def restore(conn: Connection, loaded: LoadedJob, run_id: str,
 
 def restore_line(r: RestoreReport) -> str:
     """The one line launch prints about it (plain text; escape before printing as markup)."""
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     if r.status == "skipped":
         return f"restore: skipped: {r.why}"
@@ -252,7 +252,7 @@ def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
 
 def summary_line(o: dict[str, Any] | None) -> str | None:
     """One line about a run's outputs for status: state, shipped totals, last pass, lag, last error."""
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     if not o:
         return None
@@ -280,7 +280,7 @@ def summary_line(o: dict[str, Any] | None) -> str | None:
 
 def final_line(o: dict[str, Any] | None) -> tuple[str, bool] | None:
     """After the run ended (tail, up): how its last pass went, and whether it failed."""
-    from remote.fsutil import human_bytes
+    from remote.lib.fsutil import human_bytes
 
     if not o:
         return None

@@ -1,7 +1,7 @@
-"""provision: the job's venv on a node, with every install verified (the node side is remote/provision.py).
+"""provision: the job's venv on a node, with every install verified (the node side is remote/env/provision.py).
 
 The controller checks the job's package specs (a bad one is exit 2 before any host is touched),
-sends the job to ``python3 -m remote.provision`` on the node, relays its per-step events, and
+sends the job to ``python3 -m remote.env.provision`` on the node, relays its per-step events, and
 turns the answer into a ProvisionReport. Exit codes: 0 done; 2 bad job file or spec; 3 an install
 step failed or its verification did (a version, a pin, a missing python); 4 host unreachable.
 """
@@ -16,12 +16,12 @@ from packaging.specifiers import InvalidSpecifier
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, Field
 
-from remote.redact import redact, redact_obj
+from remote.lib.redact import redact, redact_obj
 
 from ..agent import run_module
-from ..config import Job, LoadedJob
-from ..connection import Connection
+from ..config.models import Job, LoadedJob
 from ..errors import EXIT_OK, DfoError
+from ..transport.ssh import Connection
 
 INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
 
@@ -78,7 +78,7 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
 
     timeout = 600 + install_timeout * (len(job.packages) + 3)
     try:
-        data = run_module(conn, "remote.provision", req, timeout=timeout, on_event=on_event)
+        data = run_module(conn, "remote.env.provision", req, timeout=timeout, on_event=on_event)
     except DfoError as exc:
         details = exc.details or {}
         rep = details.get("report")

@@ -1,6 +1,6 @@
 """dfo pull on the controller: a run's files from the node to this machine, verified, resumable.
 
-1. One command lists the files under the run's folder (``remote.pullfiles`` op ``list``): the
+1. One command lists the files under the run's folder (``remote.files.pull`` op ``list``): the
    run's outputs.path as its record on the node says (a run that ships: outputs.dest), else the
    job's (-j) outputs.path, else the run's workdir.
 2. Files already here as dfo pulled them (same size and mtime on the node as recorded in
@@ -23,16 +23,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from remote.fsutil import write_atomic
+from remote.lib.fsutil import write_atomic
 
 from ..agent import run_module
-from ..config import LoadedJob
-from ..connection import Connection
+from ..config.models import LoadedJob
 from ..errors import ConfigError, VerifyError
+from ..transport.ssh import Connection
 from .report import MoveReport
 from .runs import job_workspace, status
 
-MODULE = "remote.pullfiles"
+MODULE = "remote.files.pull"
 PULL_TIMEOUT_S = 7 * 24 * 3600.0
 MANIFEST = "pull-manifest.json"
 

@@ -1,6 +1,6 @@
 """Runs, the library side: render the command, launch detached, follow the log, status, stop.
 
-The node side is remote/runs.py (+ remote/supervisor.py). Everything here goes through
+The node side is remote/runs/ops.py (+ remote/runs/supervisor.py). Everything here goes through
 ``agent.run_module(conn, "remote.runs", {"op": ...})``; secrets travel in the request on stdin.
 
 Following a log (``follow``, ``read_lines``) lives in orchestrator.steps.logstream: one
@@ -25,12 +25,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..agent import run_module
-from ..config import Job, LoadedJob, RunConfig, is_secret_env
-from ..connection import Connection
+from ..config.models import Job, LoadedJob, RunConfig, is_secret_env
+from ..config.rules import PLACEHOLDERS, fill_placeholders
+from ..config.yamlpos import line_in_file
 from ..diagnosis import Diagnosis, diagnose
 from ..errors import ConfigError
-from ..jobrules import PLACEHOLDERS, fill_placeholders
-from ..yamlpos import line_in_file
+from ..transport.ssh import Connection
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 
@@ -39,7 +39,7 @@ TAIL_FOR_DIAGNOSIS = 80
 
 
 class RunInfo(BaseModel):
-    """One run as the node describes it (remote.runs.describe)."""
+    """One run as the node describes it (remote.runs.ops.describe)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -209,7 +209,7 @@ def new_run_id(job_name: str) -> str:
 
 def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
     """(plain, secret) environment for the trainer. Secret names and values holding URL credentials
-    (orchestrator.config.is_secret_env) keep their values off the node's disk; a run.secret_env name
+    (orchestrator.config.models.is_secret_env) keep their values off the node's disk; a run.secret_env name
     absent from run.env takes its value from this shell's environment."""
     job, run = loaded.job, loaded.need("run")
     assert isinstance(run, RunConfig)

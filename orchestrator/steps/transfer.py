@@ -1,6 +1,6 @@
 """sync-data and stage-model on the controller: check the job, resolve credentials, drive the node.
 
-The bytes never pass through the controller: ``remote.s3sync`` (data) and ``remote.s3stage``
+The bytes never pass through the controller: ``remote.transfer.sync`` (data) and ``remote.transfer.stage``
 (model) run on the node and fetch from S3 (or copy a node path, or pull from the Hub) themselves.
 This side checks the job's ``data:`` / ``model:`` / ``s3:`` sections (exit 2 before any host is
 touched), resolves S3 credentials once with botocore's usual chain (environment, then the profile
@@ -20,13 +20,13 @@ from typing import Any, Literal
 from pydantic import Field
 from rich.console import Console
 
-from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
+from remote.lib.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
 
 from ..agent import run_module
-from ..config import LoadedJob, S3Config
-from ..connection import Connection
+from ..config.models import LoadedJob, S3Config
+from ..config.rules import source_kind
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
-from ..jobrules import source_kind
+from ..transport.ssh import Connection
 from .report import MoveReport
 from .runs import job_workspace
 
@@ -93,7 +93,7 @@ def hf_token() -> str | None:
 
 def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> dict[str, Any]:
     """The request for the node (credentials included: send it on stdin only). The section's fields
-    were checked when the job was read (orchestrator.jobrules)."""
+    were checked when the job was read (orchestrator.config.rules)."""
     job = loaded.job
     section: Any = loaded.need(what)
     kind = source_kind(section.source.strip())
@@ -119,9 +119,9 @@ def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> 
 def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str, Any],
              on_event: Callable[[dict[str, Any]], None] | None = None) -> TransferReport:
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
-    module = "remote.s3sync" if what == "data" else "remote.s3stage"
+    module = "remote.transfer.sync" if what == "data" else "remote.transfer.stage"
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
-    # what the node refuses to sync into (remote/s3dest.py): the workspace root, a dest holding the venv
+    # what the node refuses to sync into (remote/lib/destsafety.py): the workspace root, a dest holding the venv
     request = dict(request, workspace=job_workspace(loaded.job, conn.host.workspace), venv=loaded.job.venv)
     stopped = HostError(f"the {what} transfer on the node stopped without a result (the SSH connection "
                         "dropped, or its process was killed)", host=conn.name,

@@ -12,10 +12,10 @@ from packaging.utils import canonicalize_name
 from pydantic import BaseModel, model_serializer
 
 from ..agent import run_module
-from ..config import Job
-from ..connection import Connection
+from ..config.models import Job
 from ..errors import EXIT_OK, EXIT_VERIFY, DfoError, HostError
 from ..facts.node import NodeFacts, PkgReport, Problem
+from ..transport.ssh import Connection
 
 
 def workspace_of(conn: Connection, job: Job | None) -> str:
@@ -76,7 +76,7 @@ class VerifyReport(BaseModel):
 
 def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str, Any] | None) -> list[Problem]:
     try:
-        from remote.known_bad import match_known_bad
+        from remote.env.known_bad import match_known_bad
     except ImportError:  # the table ships with the GPU helpers
         return []
     caps = [g.capability for g in facts.nvidia.gpus if g.capability]
@@ -90,7 +90,7 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
 def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
     ws = workspace_of(conn, job)
     record = provision_record_path(ws, job.name) if job else None
-    raw = run_module(conn, "remote.probe", {
+    raw = run_module(conn, "remote.env.probe", {
         "paths": {"workspace": ws, "shm": "/dev/shm"},
         "venv_python": job.venv_python if job else None,
         "records": [record] if record else [],
@@ -110,7 +110,7 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
                 message=f"the job's interpreter {job.venv_python} does not exist; run: dfo provision -H {conn.name} -j {job.name}",
             ))
         else:
-            pk = PkgReport.model_validate(run_module(conn, "remote.pkgcheck", {
+            pk = PkgReport.model_validate(run_module(conn, "remote.env.pkgcheck", {
                 "pins": job.packages,
                 "overrides": [o.model_dump() for o in job.overrides],
                 "names": [dist_name(p) for p in job.packages],

@@ -5,7 +5,7 @@ after another: torch sees it and runs a small op on it; its compute capability i
 torch build's arch list; a small Triton kernel compiles, runs and gives the right answer;
 when FLA (module ``fla``) is importable, ``chunk_gated_delta_rule`` (Gated DeltaNet) runs
 forward and backward and matches a plain PyTorch reference. Known-bad combinations
-(``remote/known_bad.json``) that match are reported as problems.
+(``remote/env/known_bad.json``) that match are reported as problems.
 
 Request (stdin JSON, every key optional)::
 
@@ -29,8 +29,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from remote._proto import emit_event, main
-from remote.known_bad import arch_name, arch_support, match_entries
-from remote.triton_cache import cache_dir, dir_size
+from remote.env.known_bad import arch_name, arch_support, match_entries
+from remote.lib.triton_cache import cache_dir, dir_size
 
 FWD_TOL = 0.02  # relative RMS error, bf16 inputs against an fp32 reference
 BWD_TOL = 0.05

@@ -1,0 +1,2 @@
+"""The inventory and job files: pydantic models, job rules, YAML positions.
+"""

@@ -1,0 +1,423 @@
+"""Pydantic models of inventory.yaml and job files (extra fields forbidden), and host resolution."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from remote.lib.redact import is_secret
+
+from ..errors import ConfigError, UsageError
+from . import rules as jobrules
+from .yamlpos import load_model
+
+DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- inventory
+
+
+class HostDefaults(Strict):
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity: str | None = None
+    known_hosts: str = DEFAULT_KNOWN_HOSTS
+    python: str = "python3"
+    workspace: str = "/workspace"
+    connect_timeout: float = Field(default=10.0, gt=0)
+    command_timeout: float = Field(default=600.0, gt=0)
+    proxy_jump: str | None = None
+
+
+class HostEntry(Strict):
+    host: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = None
+    identity: str | None = None
+    gpus: int | None = Field(default=None, ge=0)
+    python: str | None = None
+    workspace: str | None = None
+    proxy_jump: str | None = None
+    transport: Literal["ssh", "local"] = "ssh"
+    private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
+
+
+class Inventory(Strict):
+    defaults: HostDefaults = HostDefaults()
+    hosts: dict[str, HostEntry] = {}
+    groups: dict[str, list[str]] = {}
+
+    @field_validator("hosts")
+    @classmethod
+    def _names(cls, v: dict[str, HostEntry]) -> dict[str, HostEntry]:
+        for name in v:
+            if not _NAME.match(name) or name == "all":
+                raise ValueError(f"host name {name!r} must be letters, digits, '.', '_' or '-' (and not 'all')")
+        return v
+
+
+class ResolvedHost(BaseModel):
+    """Everything the connection layer needs for one host (after ~/.ssh/config)."""
+
+    name: str
+    transport: Literal["ssh", "local"] = "ssh"
+    hostname: str = "localhost"
+    port: int = 22
+    user: str | None = None
+    identities: list[str] = []
+    known_hosts: str = DEFAULT_KNOWN_HOSTS
+    proxy_jump: str | None = None  # "a,b": through a, then b (ProxyJump)
+    proxy_command: str | None = None  # ~/.ssh/config ProxyCommand (when no ProxyJump applies)
+    python: str = "python3"
+    workspace: str = "/workspace"
+    connect_timeout: float = 10.0
+    command_timeout: float = 600.0
+    gpus: int | None = None
+    private_address: str | None = None  # the inventory's hosts.NAME.private_address, else None
+
+    @property
+    def gang_address(self) -> str:
+        """How the other nodes of a gang reach this one: private_address, else the SSH host name."""
+        return self.private_address or self.hostname
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+
+def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path]:
+    p = Path(path or os.environ.get("DFO_INVENTORY") or "inventory.yaml")
+    inv = load_model(p, Inventory, display=str(path or p))
+    for group, members in inv.groups.items():
+        for m in members:
+            if m not in inv.hosts and m not in inv.groups:
+                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}", hint="add it under hosts: or fix the name")
+    return inv, p
+
+
+def ssh_config_path() -> Path:
+    """The ssh_config file dfo reads: $DFO_SSH_CONFIG (only that file, like ``ssh -F``), else
+    ~/.ssh/config then /etc/ssh/ssh_config, as OpenSSH and fabric read them."""
+    return Path(os.environ.get("DFO_SSH_CONFIG", "~/.ssh/config")).expanduser()
+
+
+_SSH_CONFIGS: dict[tuple[object, ...], object] = {}
+
+
+def ssh_configuration() -> Any:
+    """fabric's Config with the ssh_config file(s) loaded (fabric's own loading, see ssh_config_path);
+    read again when a file changes. The connection layer builds every ProxyJump hop from it."""
+    import fabric  # local import: ssh config only
+
+    path = ssh_config_path()
+    files = [path] if "DFO_SSH_CONFIG" in os.environ else [path, Path("/etc/ssh/ssh_config")]
+    key = tuple((str(f), f.stat().st_mtime_ns if f.is_file() else None) for f in files)
+    if key not in _SSH_CONFIGS:
+        if "DFO_SSH_CONFIG" in os.environ:
+            kw: dict[str, Any] = ({"runtime_ssh_path": str(path)} if path.is_file()
+                                  else {"overrides": {"load_ssh_configs": False}})
+        else:
+            kw = {"user_ssh_path": str(path)}
+        cfg = fabric.Config(lazy=True, **kw)  # lazy: fabric's own files (~/.fabric.yaml) play no part
+        try:
+            cfg.load_ssh_config()
+        except Exception as exc:  # noqa: BLE001 - paramiko's ConfigParseError, an unreadable file
+            raise _ssh_config_error(files, exc) from None
+        _SSH_CONFIGS.clear()
+        _SSH_CONFIGS[key] = cfg
+    return _SSH_CONFIGS[key]
+
+
+def _ssh_config_error(files: list[Path], exc: Exception) -> ConfigError:
+    where = " or ".join(str(f) for f in files if f.is_file()) or str(files[0])
+    return ConfigError(f"{where}: cannot read ssh_config: {exc}",
+                       hint="fix the line (see ssh_config(5)), or point DFO_SSH_CONFIG at another file")
+
+
+def _ssh_config_lookup(alias: str) -> dict[str, object]:
+    """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded)."""
+    cfg = ssh_configuration()
+    try:
+        return dict(cfg.base_ssh_config.lookup(alias))
+    except Exception as exc:  # noqa: BLE001 - a Match that paramiko cannot evaluate
+        path = ssh_config_path()
+        raise _ssh_config_error([path] if "DFO_SSH_CONFIG" in os.environ
+                                else [path, Path("/etc/ssh/ssh_config")], exc) from None
+
+
+def _proxy(own: str | None, sshc: dict[str, object], default: str | None) -> tuple[str | None, str | None]:
+    """(ProxyJump, ProxyCommand): the host's own proxy_jump, else ~/.ssh/config's ProxyJump or
+    ProxyCommand, else defaults.proxy_jump. ``none`` is a direct connection."""
+    if own:
+        jump, command = own, None
+    elif "proxyjump" in sshc:
+        jump, command = str(sshc["proxyjump"]), None
+    elif "proxycommand" in sshc:
+        jump, command = None, str(sshc["proxycommand"])
+    else:
+        jump, command = default, None
+
+    def given(v: str | None) -> str | None:
+        return None if v is None or v.strip().lower() == "none" else v
+
+    return given(jump), given(command)
+
+
+def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
+    """The host's connection settings. Precedence: the host's own entry, then ~/.ssh/config for
+    its alias (HostName, Port, User, IdentityFile, ProxyJump or ProxyCommand), then the inventory's
+    defaults. A proxy of ``none`` (ProxyJump none) means a direct connection."""
+    entry = inv.hosts.get(name)
+    if entry is None:
+        raise UsageError(f"unknown host {name!r}", hint=f"hosts in {inv_path}: {', '.join(inv.hosts) or 'none'}")
+    d = inv.defaults
+    alias = entry.host or name
+    sshc = _ssh_config_lookup(alias) if entry.transport == "ssh" else {}
+    base = inv_path.parent
+
+    def absolute(path: str) -> str:
+        p = os.path.expanduser(path)
+        return p if os.path.isabs(p) else str((base / p).resolve())
+
+    identities: list[str] = []
+    if entry.identity:
+        identities.append(absolute(entry.identity))
+        if entry.transport == "ssh" and not os.path.exists(identities[0]):
+            raise ConfigError(f"{inv_path}: hosts.{name}.identity: {identities[0]} does not exist",
+                              hint="point it at the private key for this host")
+    identities += [absolute(str(i)) for i in sshc.get("identityfile", []) or []]  # type: ignore[union-attr]
+    if d.identity and os.path.exists(absolute(d.identity)):
+        identities.append(absolute(d.identity))  # a missing default key falls back to ssh's own keys/agent
+    kh = absolute(d.known_hosts)
+    port = entry.port or (int(sshc["port"]) if "port" in sshc else None) or d.port or 22  # type: ignore[arg-type]
+    proxy_jump, proxy_command = _proxy(entry.proxy_jump, sshc, d.proxy_jump)
+    return ResolvedHost(
+        name=name,
+        transport=entry.transport,
+        hostname=str(sshc.get("hostname", alias)),
+        port=port,
+        user=entry.user or (str(sshc["user"]) if "user" in sshc else None) or d.user,
+        identities=list(dict.fromkeys(identities)),
+        known_hosts=kh,
+        proxy_jump=proxy_jump,
+        proxy_command=proxy_command,
+        python=entry.python or d.python,
+        workspace=entry.workspace or d.workspace,
+        connect_timeout=d.connect_timeout,
+        command_timeout=d.command_timeout,
+        gpus=entry.gpus,
+        private_address=entry.private_address,
+    )
+
+
+def expand_targets(inv: Inventory, targets: tuple[str, ...] | list[str], inv_path: Path) -> list[str]:
+    """Expand -H values (host names, group names, ``all``) into host names, in order, no repeats."""
+    if not targets:
+        raise UsageError("no host given", hint="pass -H HOST (a host, a group, or 'all')")
+    out: list[str] = []
+
+    def add(name: str, seen: tuple[str, ...] = ()) -> None:
+        if name == "all":
+            for h in inv.hosts:
+                add(h)
+        elif name in inv.groups:
+            if name in seen:
+                raise ConfigError(f"{inv_path}: groups.{name}: group includes itself")
+            for m in inv.groups[name]:
+                add(m, seen + (name,))
+        elif name in inv.hosts:
+            if name not in out:
+                out.append(name)
+        else:
+            known = ", ".join(list(inv.hosts) + list(inv.groups)) or "none"
+            raise UsageError(f"unknown host or group {name!r}", hint=f"known in {inv_path}: {known}, all")
+
+    for t in targets:
+        for piece in t.split(","):
+            if piece.strip():
+                add(piece.strip())
+    return out
+
+
+# --------------------------------------------------------------------------- job files
+
+
+# the rules of single fields (orchestrator.config.rules): a broken one is FILE:LINE: field: message, exit 2
+PackageSpec = Annotated[str, AfterValidator(jobrules.package_spec)]
+IndexLocation = Annotated[str, AfterValidator(jobrules.index_location)]
+NodePath = Annotated[str, AfterValidator(jobrules.node_path)]
+
+
+class IndexConfig(Strict):
+    url: IndexLocation | None = None
+    extra_urls: list[IndexLocation] = []
+    find_links: list[IndexLocation] = []
+    no_index: bool = False
+
+
+class Override(Strict):
+    package: Annotated[str, AfterValidator(jobrules.override_spec)]
+    reason: str = Field(min_length=3)
+
+    @property
+    def name(self) -> str:
+        return re.split(r"[<>=!~\[; ]", self.package, maxsplit=1)[0].strip()
+
+
+class S3Config(Strict):
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    profile: str | None = None
+    credentials: Literal["controller", "node", "anonymous"] = "controller"  # anonymous: unsigned (public bucket)
+    concurrency: int = Field(default=32, ge=1, le=512)
+    part_size_mb: int = Field(default=16, ge=5, le=5120)
+    multipart_threshold_mb: int = Field(default=64, ge=5)
+
+
+class ModelConfig(Strict):
+    source: Annotated[str, AfterValidator(lambda v: jobrules.transfer_source(v, "model"))]
+    dest: NodePath
+    margin_pct: float = Field(default=5.0, ge=0)
+
+
+class DataConfig(Strict):
+    source: Annotated[str, AfterValidator(lambda v: jobrules.transfer_source(v, "data"))]
+    dest: NodePath
+    delete: bool = False
+
+
+class CodeConfig(Strict):
+    """code: a local folder pushed to the node before every launch (dfo sync-code; docs/code.md)."""
+
+    source: str = "."  # relative to the job file; in a git work tree: what git would commit
+    dest: str | None = None  # on the node; default run.workdir
+    exclude: list[str] = []  # more gitignore-style patterns
+
+
+class OutputsConfig(Strict):
+    """outputs: what the run writes that must outlive the node (docs/outputs.md). {name} and
+    {run_id} are expanded in path and dest; an object's key is dest + the path relative to path."""
+
+    path: Annotated[str, AfterValidator(jobrules.outputs_path)] = "/workspace/checkpoints/{name}"
+    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None  # s3://bucket/prefix/; none: nothing ships
+    every: float = Field(default=300.0, gt=0)  # seconds between passes; one last pass after the run ends
+    settle: float = Field(default=10.0, ge=0)  # a file ships once unchanged this long
+    include: list[str] = ["**"]  # gitignore-style patterns
+    restore: bool = True  # before launch, fetch dest into path when path is empty or missing
+    cpu: float = Field(default=2.0, gt=0)  # the shipper's CPU budget, in cores
+
+
+class RunConfig(Strict):
+    workdir: str = "/root"
+    upload: list[str] = []
+    command: Annotated[str, AfterValidator(lambda v: jobrules.command_placeholders(v, {}))]
+    env: dict[str, str] = {}
+
+    @field_validator("upload")
+    @classmethod
+    def _one_name_each(cls, v: list[str]) -> list[str]:
+        """Each file lands in run.workdir under its own name: no two entries may share one."""
+        seen: dict[str, str] = {}
+        for rel in v:
+            name = Path(rel).name
+            if name in seen:
+                raise jobrules.fail(f"{rel!r} and {seen[name]!r} would both land as {name} in run.workdir: "
+                                    "rename one of them")
+            seen[name] = rel
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_scalars(cls, v: object) -> object:
+        """`OMP_NUM_THREADS: 8` means the string "8" (YAML reads it as a number)."""
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, int | float) else x
+                    for k, x in v.items()}
+        return v
+    secret_env: list[str] = []
+    wait: float = Field(default=60.0, ge=0)
+    autotune_guard: bool = False
+    stop_grace: float = Field(default=30.0, ge=0)
+    nodes: int = Field(default=1, ge=1, le=1024)  # a gang over this many hosts; -H names exactly that many
+    launcher: Literal["none", "torchrun"] = "none"  # torchrun: run.command is what torchrun runs
+    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"  # auto: the node's GPU count (1 without)
+    rdzv_port: int = Field(default=29400, ge=1, le=65535)
+
+
+class Job(Strict):
+    name: str
+    python: str = "python3"
+    venv: str = "/root/venv"
+    installer: Literal["uv", "pip"] = "pip"
+    packages: list[PackageSpec] = []
+    index: IndexConfig = IndexConfig()
+    overrides: list[Override] = []
+    workspace: str | None = None
+    s3: S3Config = S3Config()
+    model: ModelConfig | None = None
+    data: DataConfig | None = None
+    code: CodeConfig | None = None
+    outputs: OutputsConfig | None = None
+    run: RunConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("run")
+    @classmethod
+    def _run_sections(cls, v: RunConfig | None, info: ValidationInfo) -> RunConfig | None:
+        """run.command's {model.dest} / {data.dest} need their section (model: and data: are read first)."""
+        if v is not None:
+            present = {k: info.data[k] is not None for k in ("model", "data") if k in info.data}
+            try:
+                jobrules.command_placeholders(v.command, present)
+            except PydanticCustomError as exc:
+                raise jobrules.fail(f"run.command {exc.message()}") from None
+        return v
+
+    @property
+    def venv_python(self) -> str:
+        return f"{self.venv.rstrip('/')}/bin/python"
+
+
+class LoadedJob(BaseModel):
+    job: Job
+    path: Path
+
+    def need(self, section: str) -> object:
+        value = getattr(self.job, section)
+        if value is None:
+            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see the README's job file reference")
+        return value
+
+
+def load_job(path: str | os.PathLike[str]) -> LoadedJob:
+    p = Path(path)
+    if not p.exists() and not p.suffix and (Path("jobs") / f"{p}.yaml").exists():
+        p = Path("jobs") / f"{p}.yaml"
+    job = load_model(p, Job, display=str(p))
+    return LoadedJob(job=job, path=p.resolve())
+
+
+def is_secret_env(name: str, job: Job | None = None, value: str | None = None) -> bool:
+    """A secret variable: listed in the job's run.secret_env, named like one (whole words, see
+    remote.lib.redact: HF_TOKEN yes, TOKENIZERS_PARALLELISM no), or holding a URL with credentials
+    (``postgres://u:pass@db/x``). A false positive only keeps a value off the node's disk; a false
+    negative writes a secret there."""
+    if job is not None and job.run is not None and name in job.run.secret_env:
+        return True
+    return is_secret(name, value)

@@ -1,0 +1,2 @@
+"""dfo demo's pieces: its data and model (data), its job and trainer (job/).
+"""

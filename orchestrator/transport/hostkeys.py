@@ -1,0 +1,124 @@
+"""dfo's host-key policy on a paramiko client: its own known_hosts, accept-new, a changed key refused.
+
+Every client dfo opens (the target and each ProxyJump hop, see connection.py) is made by
+``new_client``: it knows the host's recorded keys from dfo's known_hosts (read strictly, see
+orchestrator.transport.known_hosts) and records a new one on first contact (OpenSSH's
+``StrictHostKeyChecking=accept-new``) under a lock. A changed key is refused before any command
+runs (``HostKeyError``, exit 4) with both fingerprints and the command that forgets the old key.
+Never ``AutoAddPolicy`` for known hosts, never ``StrictHostKeyChecking=no``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import shlex
+import threading
+from pathlib import Path
+
+import paramiko
+
+from ..config.models import ResolvedHost
+from ..errors import HostKeyError
+from . import known_hosts
+from .known_hosts import Entry, KnownHosts
+
+_KH_LOCK = threading.Lock()
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def label(hostname: str, port: int) -> str:
+    """The host's name in known_hosts: ``host``, or ``[host]:port`` off port 22."""
+    return hostname if int(port) == 22 else f"[{hostname}]:{port}"
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Called for a key of a type paramiko has no recorded key of for this host name (see
+    new_client, which feeds paramiko the host's plain, unrevoked keys from dfo's known_hosts).
+    Under a lock (a thread lock, and flock on a lock file beside known_hosts for other dfo
+    processes) it re-reads the file: a @revoked key is refused; a key recorded meanwhile by another
+    connection or process must be this one; a new key is appended (accept-new), never rewriting
+    the file."""
+
+    def __init__(self, host: ResolvedHost) -> None:
+        self.host = host
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        import fcntl
+
+        p = Path(self.host.known_hosts)
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        blob = key.asbytes()
+        with _KH_LOCK, open(p.with_name(p.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kh = KnownHosts.load(str(p))
+            revoked = kh.revoked(blob)
+            if revoked is not None:
+                raise _revoked_error(self.host, hostname, key, revoked)
+            same = [e for e in kh.recorded(hostname) if e.key_type == key.get_name()]
+            if not same:
+                known_hosts.append(str(p), hostname, key.get_name(), blob)
+            elif all(e.blob != blob for e in same):
+                raise paramiko.BadHostKeyException(hostname, key, _pkey(same[0]) or key)
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:
+    """A client for the host known as ``name`` in known_hosts (the target or a hop of its path) that
+    knows its recorded keys (a line dfo cannot read is exit 2, never skipped) and records a new one
+    on first contact (_AcceptNew)."""
+    client = paramiko.SSHClient()
+    keys = client.get_host_keys()
+    types: set[str] = set()
+    for e in KnownHosts.load(host.known_hosts).recorded(name):
+        key = _pkey(e)
+        if key is not None and e.key_type not in types:  # the first line per key type counts
+            types.add(e.key_type)
+            keys.add(name, e.key_type, key)
+    client.set_missing_host_key_policy(_AcceptNew(host))
+    return client
+
+
+def _pkey(e: Entry) -> paramiko.PKey | None:
+    """The paramiko key of a known_hosts line, or None for a type paramiko does not know (sk-*, ...)."""
+    try:
+        return paramiko.PKey.from_type_string(e.key_type, e.blob)
+    except (paramiko.pkey.UnknownKeyType, paramiko.SSHException, ValueError, TypeError):
+        return None
+
+
+def _revoked_error(host: ResolvedHost, name: str, key: paramiko.PKey, line: Entry) -> HostKeyError:
+    return HostKeyError(
+        f"host key for {name} is REVOKED ({host.known_hosts}:{line.lineno}): {fingerprint(key)} "
+        f"({key.get_name()}); nothing was run",
+        host=host.name,
+        hint="a @revoked key is never accepted; check the node's real key out of band (is it compromised, "
+             "or was it rebuilt?)",
+    )
+
+
+def host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, name: str) -> HostKeyError:
+    """The error for a key that differs from the one recorded for ``name`` (a hop or the target)."""
+    kh = KnownHosts.load(host.known_hosts)
+    offered = exc.key.asbytes()
+    revoked = kh.revoked(offered)
+    if revoked is not None:
+        return _revoked_error(host, name, exc.key, revoked)
+    same = [e for e in kh.recorded(name) if e.key_type == exc.key.get_name()]
+    where = f" ({host.known_hosts}:{same[0].lineno})" if same else ""
+    if any(e.blob == offered for e in same[1:]):
+        return HostKeyError(
+            f"host key for {name}: {len(same)} {exc.key.get_name()} keys are recorded for it and the first"
+            f"{where} is not the one offered; nothing was run",
+            host=host.name, hint="dfo checks one key per host and key type: delete the stale line")
+    forget = f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(host.known_hosts)}"
+    return HostKeyError(
+        f"host key for {name} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
+        f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run",
+        host=host.name,
+        hint=f"if the node was really rebuilt, forget the old key with: {forget}",
+    )

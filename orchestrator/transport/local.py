@@ -1,0 +1,100 @@
+"""The local transport: the same calls, run on this machine with bash (dfo on the GPU box itself).
+
+Each command runs in its own process group with an allow-listed environment (orchestrator.localenv).
+If the call ends early (its timeout, an on_line callback that raises, Ctrl-C), the whole group is
+killed before the error goes on: nothing the call started outlives it, as with a closed SSH channel.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+from ..config.models import ResolvedHost
+from ..errors import HostError
+from ..localenv import local_env
+from .base import Result, Transport, _Collector, _Tail
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the command's process group (it leads its own session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class LocalConnection(Transport):
+    """bash on this machine, behind the Transport interface."""
+
+    def __init__(self, host: ResolvedHost) -> None:
+        self.host = host
+        self.name = host.name
+
+    def close(self) -> None:
+        pass
+
+    def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
+            on_line: Callable[[str], object] | None = None) -> Result:
+        limit = timeout if timeout is not None else self.host.command_timeout
+        start = time.monotonic()
+        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, env=local_env())
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        pin, pout, perr = proc.stdin, proc.stdout, proc.stderr
+        out, err = _Collector(on_line), _Tail()
+
+        def feed_stdin() -> None:
+            try:
+                if stdin is not None:
+                    pin.write(stdin.encode() if isinstance(stdin, str) else stdin)
+            except (BrokenPipeError, ValueError):
+                pass
+            try:
+                pin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+
+        def read_err() -> None:
+            try:
+                for chunk in iter(lambda: perr.read1(65536), b""):
+                    err.feed(chunk)
+            except (OSError, ValueError):
+                pass
+
+        threads = [threading.Thread(target=feed_stdin, daemon=True), threading.Thread(target=read_err, daemon=True)]
+        for t in threads:
+            t.start()
+        fd = pout.fileno()
+        try:
+            while True:
+                remaining = limit - (time.monotonic() - start)
+                if remaining <= 0:
+                    raise HostError(f"local command did not finish within {limit:g}s", host=self.name)
+                r, _, _ = select.select([fd], [], [], min(remaining, 0.25))
+                if r:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break
+                    out.feed(chunk)
+            try:  # stdout is closed; the command may still run
+                code = proc.wait(max(limit - (time.monotonic() - start), 0.01))
+            except subprocess.TimeoutExpired:
+                raise HostError(f"local command did not finish within {limit:g}s", host=self.name) from None
+        except BaseException:  # a timeout, on_line raising, Ctrl-C: nothing the call started outlives it
+            _kill_group(proc)
+            raise
+        for t in threads:
+            t.join(5)
+        pout.close()
+        out.flush()
+        return Result(self.name, command, out.text(), err.text(), code, time.monotonic() - start)

@@ -1,0 +1,2 @@
+"""The node's Python environment: probe, provision, package checks, known-bad versions.
+"""

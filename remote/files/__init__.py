@@ -1,0 +1,2 @@
+"""Files between the laptop and the node: code push, pull, a run's upload files.
+"""

@@ -1,0 +1,373 @@
+"""The node side of ``dfo sync-code`` (python3 3.8+, stdlib only).
+
+Three operations, each one SSH command; the request is the first line of stdin (JSON):
+
+* ``state``: the node's code manifest (DEST/.dfo/code-manifest.json), its digest, and which of
+  its files are no longer as dfo left them (size, mtime or inode changed, gone, a symlink
+  retargeted). The controller asks while it lists and hashes its own files.
+* ``push``: deletions first, then the changed files, whose bytes follow the request line on stdin
+  as one stream, in request order, ``size`` bytes each: no round trip per file. Each file is
+  written under DEST/.dfo/code-tmp/, its sha256 checked against the request, given its mode, then
+  renamed into place; a symlink is made under a temp name and renamed too. The manifest is written
+  last, atomically (remote.lib.fsutil.write_atomic).
+* ``sync``: ``push`` of what the controller believes changed since its last push, then ``state``'s
+  check against ``want`` (the digest of the controller's tree), in the same command: a push with
+  nothing changed, or one file changed, is one command. Only on a mismatch (the node is not as the
+  controller last left it) does the answer carry the manifest, and the controller sends the rest.
+
+Safety: every folder under DEST is opened relative to its parent with O_NOFOLLOW (remote.lib.destsafety.Tree),
+so a symlink inside DEST is never followed. A path with an empty, ``.`` or ``..`` component, or a
+component starting with ``.dfo``, is refused. A file is deleted only if dfo pushed it (it is in the
+manifest) and it is still exactly as dfo left it; others are kept and reported.
+DEST may be $HOME (run.workdir is often /root): code lands beside what is there, and only what dfo
+pushed is ever deleted. Refused: ``/``, a path with a ``.dfo`` component, ~/.ssh and ~/.cache/dfo.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import stat
+import sys
+import time
+import traceback
+
+from remote._proto import RemoteError, emit_result
+from remote.lib.destsafety import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
+from remote.lib.fsutil import FILE_FLAGS, write_atomic
+
+MANIFEST = "code-manifest.json"
+TMP_DIR = "code-tmp"
+CHUNK = 1 << 20
+FIELD = "code.dest"
+
+
+def digest_of(files):
+    """One sha256 over the sorted (path, sha256, mode, link) of every file: equal digests, equal trees."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        e = files[rel]
+        h.update(("%s\0%s\0%s\0%s\n" % (rel, e.get("sha256") or "", e.get("mode") or 0, e.get("link") or "")).encode(
+            "utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def check_rel(rel):
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") or p.startswith(".dfo") for p in parts):
+        raise RemoteError("usage", "code: refused path %r (empty, absolute, '..' or a .dfo name)" % rel)
+
+
+def check_code_dest(dest):
+    """The real path of DEST, or a RemoteError "config" naming why it is refused."""
+    path = os.path.expanduser(dest)
+    if not path.startswith("/"):
+        refuse(FIELD, "%s is not an absolute path on the node" % dest, "for example /root/code or /workspace/code")
+    if any(p.startswith(".dfo") for p in path.split("/") if p):
+        refuse(FIELD, "%s lies inside a .dfo folder, where dfo keeps its own records" % dest)
+    real = os.path.realpath(path)
+    if real == "/":
+        refuse(FIELD, "%s is the root of the node's filesystem; pick a folder of its own" % dest)
+    home = _real("~")
+    if home and home != "/":
+        for sub in (".ssh", ".cache/dfo"):
+            guarded = os.path.join(home, sub)
+            if real == guarded or real.startswith(guarded + "/"):
+                refuse(FIELD, "%s is inside %s; pick a folder of its own" % (dest, guarded))
+    _check_ancestors(FIELD, real, os.geteuid())
+    return real
+
+
+def _lstat_at(tree, rel):
+    try:
+        return tree.lstat(rel)
+    except (RemoteError, OSError):
+        return None
+
+
+def _intact(tree, rel, entry):
+    """True when ``rel`` on the node is still what dfo wrote (inode, size, mtime; a link's target)."""
+    st = _lstat_at(tree, rel)
+    if st is None or st.st_ino != entry.get("ino") or st.st_mtime_ns != entry.get("mtime_ns"):
+        return False
+    if entry.get("link") is not None:
+        if not stat.S_ISLNK(st.st_mode):
+            return False
+        d, name = Tree.split(rel)
+        try:
+            return os.readlink(name, dir_fd=tree.dir(d)) == entry["link"]
+        except (OSError, RemoteError):
+            return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
+
+
+def _same_stat(real, rel, entry):
+    """``_intact`` by path, for the state report only: it reads metadata and changes nothing (a folder
+    swapped for a symlink shows another inode, so its files count as changed and are sent again,
+    through the O_NOFOLLOW walk)."""
+    return _row_intact(real, rel, [entry.get(k) for k in FIELDS])
+
+
+def _row_intact(real, rel, row):
+    """``_same_stat`` on a manifest row as stored (FIELDS order), with no dict made per file."""
+    if not isinstance(row, list) or len(row) != len(FIELDS):
+        return False
+    path = real + "/" + rel
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if st.st_ino != row[5] or st.st_mtime_ns != row[4]:
+        return False
+    if row[2] is not None:
+        try:
+            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == row[2]
+        except OSError:
+            return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == row[3]
+
+
+FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list
+
+
+def _load_rows(meta_fd):
+    """(path -> [sha256, mode, link, size, mtime_ns, ino] as stored, the digest recorded with them)."""
+    if meta_fd is None:
+        return {}, None
+    try:
+        fd = os.open(MANIFEST, os.O_RDONLY | FILE_FLAGS, dir_fd=meta_fd)
+    except FileNotFoundError:
+        return {}, None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            doc = json.loads(f.read().decode("utf-8", "surrogateescape"))
+        except ValueError:
+            return {}, None  # unreadable: as if dfo had pushed nothing (nothing is deleted, all is sent)
+    files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 2 else None
+    if not isinstance(files, dict):
+        return {}, None
+    return files, doc.get("digest")
+
+
+def _load_manifest(meta_fd):
+    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them)."""
+    rows, digest = _load_rows(meta_fd)
+    return {rel: dict(zip(FIELDS, row)) for rel, row in rows.items()}, digest
+
+
+def _save_manifest(meta_fd, files):
+    digest = digest_of(files)
+    doc = {"version": 2, "fields": FIELDS, "digest": digest,
+           "files": {rel: [e.get(k) for k in FIELDS] for rel, e in files.items()}}
+    write_atomic(MANIFEST, json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogateescape"),
+                 dir_fd=meta_fd)
+    return digest
+
+
+class Dest:
+    def __init__(self, dest, create):
+        self.real = check_code_dest(dest)
+        self.tree = None
+        self.meta_fd = None
+        if not create and not os.path.isdir(self.real):
+            return
+        self.tree = Tree(self.real, open_dest(self.real, FIELD), FIELD)
+        self.meta_fd = _open_child(self.tree.fd, ".dfo", self.real, FIELD, 0o700, create, "the manifest")
+
+    def close(self):
+        if self.meta_fd is not None:
+            os.close(self.meta_fd)
+        if self.tree is not None:
+            self.tree.close()
+
+
+def op_state(req):
+    """The manifest (path -> [sha256, mode, link]), its digest, and the files no longer as dfo left them."""
+    d = Dest(req["dest"], create=False)
+    try:
+        files, digest = _load_manifest(d.meta_fd)
+        dirty = [rel for rel, e in files.items() if d.tree is None or not _same_stat(d.real, rel, e)]
+        return {"dest": d.real, "digest": digest if files else None, "dirty": dirty,
+                "files": {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}}
+    finally:
+        d.close()
+
+
+def _read_exact(stream, n, h, fd):
+    left = n
+    while left:
+        buf = stream.read(min(CHUNK, left))
+        if not buf:
+            raise RemoteError("usage", "code: the stream ended early (%d bytes missing)" % left)
+        h.update(buf)
+        view = memoryview(buf)
+        while view:
+            view = view[os.write(fd, view):]
+        left -= len(buf)
+
+
+def _clear_way(tree, rel):
+    """An empty folder where a file must go is removed; one that holds files is an error."""
+    d, name = Tree.split(rel)
+    fd = tree.dir(d, create=True)
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return fd, name
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            os.rmdir(name, dir_fd=fd)
+            tree.drop(rel)
+        except OSError:
+            raise RemoteError("config", "code: %s on the node is a folder with files dfo did not push; "
+                                        "it cannot become a file" % os.path.join(tree.dest, rel),
+                              hint="move that folder away on the node, or rename the file") from None
+    return fd, name
+
+
+def _delete(tree, files, rels):
+    deleted, kept = [], []
+    for rel in rels:
+        entry = files.get(rel)
+        if entry is None:
+            continue
+        st = _lstat_at(tree, rel)
+        if st is None:
+            del files[rel]
+            continue
+        if not _intact(tree, rel, entry):
+            kept.append(rel)
+            del files[rel]  # no longer what dfo pushed: no longer dfo's
+            continue
+        d, name = Tree.split(rel)
+        os.unlink(name, dir_fd=tree.dir(d))
+        del files[rel]
+        deleted.append(rel)
+        while d:  # folders left empty by the deletion go too (a folder that holds anything stays)
+            parent, base = Tree.split(d)
+            try:
+                os.rmdir(base, dir_fd=tree.dir(parent))
+            except OSError:
+                break
+            tree.drop(d)
+            d = parent
+    return deleted, kept
+
+
+def op_push(req, stream, want=None):
+    started = time.time()
+    d = Dest(req["dest"], create=True)
+    tree = d.tree
+    try:
+        lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
+        files = _load_manifest(d.meta_fd)[0]
+        for rel in [f["path"] for f in req.get("files", [])] + list(req.get("delete", [])):
+            check_rel(rel)
+        deleted, kept = _delete(tree, files, req.get("delete", []))
+        tmp_fd = _open_child(d.meta_fd, TMP_DIR, os.path.join(d.real, ".dfo"), FIELD, 0o700, True, "the manifest")
+        try:
+            for stale in os.listdir(tmp_fd):
+                os.unlink(stale, dir_fd=tmp_fd)
+            sent = nbytes = 0
+            for i, f in enumerate(req.get("files", [])):
+                rel = f["path"]
+                fd, name = _clear_way(tree, rel)
+                tmp = "p%d.%d" % (os.getpid(), i)
+                if f.get("link") is not None:
+                    os.symlink(f["link"], tmp, dir_fd=tmp_fd)
+                else:
+                    mode = 0o755 if f.get("mode") == 0o755 else 0o644
+                    wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=tmp_fd)
+                    h = hashlib.sha256()
+                    try:
+                        _read_exact(stream, int(f["size"]), h, wfd)
+                        os.fchmod(wfd, mode)
+                    finally:
+                        os.close(wfd)
+                    if h.hexdigest() != f["sha256"]:
+                        os.unlink(tmp, dir_fd=tmp_fd)
+                        raise RemoteError("verify", "code: %s arrived with sha256 %s, expected %s"
+                                          % (rel, h.hexdigest()[:16], f["sha256"][:16]))
+                    nbytes += int(f["size"])
+                try:
+                    os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    raise RemoteError("config", "code: %s is on another filesystem than %s/.dfo; dfo renames "
+                                      "files into place" % (os.path.join(d.real, rel), d.real)) from None
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                files[rel] = {"sha256": f.get("sha256"), "mode": f.get("mode"), "link": f.get("link"),
+                              "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+                sent += 1
+        finally:
+            os.close(tmp_fd)
+        digest = _save_manifest(d.meta_fd, files)
+        match = bool(files) and digest == want and _all_intact(d, files)
+        return {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
+                "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
+                "seconds": round(time.time() - started, 3)}
+    finally:
+        d.close()
+
+
+def _all_intact(d, files):
+    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items())
+
+
+def op_sync(req, stream):
+    """``push`` (when the request carries files or deletions), then the check of ``state``, in one
+    command: the controller sends what it believes changed since its last push, with ``want``, the
+    digest of its whole tree. ``match`` is true when the node's manifest then has digest ``want``
+    and every file is still as dfo left it; otherwise the answer carries ``state``'s files and
+    dirty list, and the controller sends the rest. Nothing is written when nothing was sent."""
+    want = req.get("want")
+    if req.get("files") or req.get("delete"):
+        out = op_push(req, stream, want)
+    else:
+        d = Dest(req["dest"], create=False)
+        try:  # the common case, nothing changed: the stored rows checked as they are
+            rows, digest = _load_rows(d.meta_fd)
+            match = (bool(rows) and digest == want and d.tree is not None
+                     and all(_row_intact(d.real, rel, row) for rel, row in rows.items()))
+            out = {"dest": d.real, "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [],
+                   "digest": digest, "count": len(rows), "match": match}
+        finally:
+            d.close()
+    if not out["match"]:
+        st = op_state(req)
+        out["files"], out["dirty"] = st["files"], st["dirty"]
+    return out
+
+
+def main():
+    stream = sys.stdin.buffer
+    try:
+        line = stream.readline()
+        req = json.loads(line.decode("utf-8", "surrogateescape") or "{}")
+        op = req.get("op")
+        if op == "state":
+            data = op_state(req)
+        elif op == "push":
+            data = op_push(req, stream)
+        elif op == "sync":
+            data = op_sync(req, stream)
+        else:
+            raise RemoteError("usage", "codepush: unknown op %r" % (op,))
+        emit_result({"ok": True, "data": data})
+    except RemoteError as exc:
+        err = {"kind": exc.kind, "message": exc.message}
+        err.update(exc.extra)
+        emit_result({"ok": False, "error": err})
+    except OSError as exc:
+        emit_result({"ok": False, "error": {"kind": "verify", "message": "code: %s" % exc}})
+    except Exception as exc:  # noqa: BLE001 - report, never a bare traceback
+        emit_result({"ok": False, "error": {"kind": "internal", "message": "%s: %s" % (type(exc).__name__, exc),
+                                            "traceback": traceback.format_exc(limit=8)}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""Small helpers every node module may use: files, secrets, retries, globs, destinations.
+"""
