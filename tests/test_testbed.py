@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from botocore.exceptions import ClientError
 
 from orchestrator.testbed import PROJECT_ROOT, Testbed
 from orchestrator.testbed import system as tsys
+from orchestrator.testbed.node import checkouts
 from orchestrator.testbed.s3 import S3Server, find_binary
 
 pytestmark = pytest.mark.testbed
@@ -71,6 +73,7 @@ def test_node_hides_controller_files(testbed: Testbed, tmp_path: Path) -> None:
         command -v python3
         python3 -c 'import boto3' 2>/dev/null && echo boto3-importable || echo no-boto3
         ls -A {PROJECT_ROOT} | wc -l
+        for d in {" ".join(shlex.quote(str(c)) for c in checkouts())}; do ls -A "$d" 2>/dev/null; done | wc -l
         test -e /root/.pyenv && echo pyenv-visible || echo no-pyenv
         test -e {testbed.identity} && echo key-visible || echo no-key
         test -e {marker} && echo host-tmp-visible || echo no-host-tmp
@@ -78,11 +81,31 @@ def test_node_hides_controller_files(testbed: Testbed, tmp_path: Path) -> None:
     """)
     r = testbed.ssh(testbed.nodes[0], script)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["/usr/bin/python3", "no-boto3", "0", "no-pyenv", "no-key", "no-host-tmp", "written"]
+    # every work tree of the repository is hidden: the checkout, the main one and each `git worktree`
+    assert r.stdout.split() == ["/usr/bin/python3", "no-boto3", "0", "0", "no-pyenv", "no-key", "no-host-tmp",
+                                "written"]
     # the node's /workspace is <workdir>/<node>/workspace on this machine, and nothing else
     written = testbed.workdir / "node-1" / "workspace" / name
     assert written.exists() and not Path("/workspace", name).exists()
     written.unlink()
+
+
+def test_checkouts_are_the_repository_s_every_work_tree(tmp_path: Path) -> None:
+    """A node hides them all: run from a `git worktree`, the main checkout (and the other worktrees)
+    hold the same code and must not be readable from a node either."""
+    main, wt, other = tmp_path / "main", tmp_path / "wt", tmp_path / "other"
+    for d in (main / ".git" / "worktrees" / "wt", main / ".git" / "worktrees" / "other", wt, other):
+        d.mkdir(parents=True)
+    (main / ".git" / "worktrees" / "wt" / "gitdir").write_text(f"{wt}/.git\n")
+    (main / ".git" / "worktrees" / "other" / "gitdir").write_text(f"{other}/.git\n")
+    (wt / ".git").write_text(f"gitdir: {main}/.git/worktrees/wt\n")
+    (other / ".git").write_text(f"gitdir: {main}/.git/worktrees/other\n")
+    assert checkouts(wt) == [wt, main, other]
+    assert checkouts(main) == [main, other, wt]
+    assert checkouts(tmp_path / "plain") == []  # not a folder: nothing to hide
+    (tmp_path / "plain").mkdir()
+    assert checkouts(tmp_path / "plain") == [tmp_path / "plain"]
+    assert PROJECT_ROOT in checkouts()
 
 
 def test_dev_shm_has_the_given_size(make_testbed: MakeTestbed) -> None:

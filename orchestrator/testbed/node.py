@@ -33,11 +33,41 @@ def sshd_config(address: str, port: int, etc: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def checkouts(root: Path = PROJECT_ROOT) -> list[Path]:
+    """Every work tree of the git repository ``root`` belongs to: ``root`` itself, the main checkout
+    and each linked worktree (``git worktree add``); just ``root`` outside git. Read from the files
+    git keeps (<git dir>/worktrees/*/gitdir), without running git."""
+    found = [root]
+    dotgit = root / ".git"
+    common: Path | None = dotgit if dotgit.is_dir() else None
+    if dotgit.is_file():  # a linked worktree: "gitdir: <main>/.git/worktrees/<name>"
+        line = dotgit.read_text(errors="replace").strip()
+        if line.startswith("gitdir:"):
+            gitdir = (root / line.partition(":")[2].strip()).resolve()
+            if gitdir.parent.name == "worktrees":
+                common = gitdir.parent.parent
+    if common is not None:
+        if common.name == ".git":
+            found.append(common.parent)
+        for gd in sorted(common.glob("worktrees/*/gitdir")):
+            try:
+                found.append(Path(gd.read_text(errors="replace").strip()).parent)
+            except OSError:
+                continue
+    out: list[Path] = []
+    for p in found:
+        p = p.resolve()
+        if p not in out and p.is_dir():
+            out.append(p)
+    return out
+
+
 def hidden_paths(workdir: Path) -> list[str]:
-    """Controller paths a node must not see: the checkout, the controller's Python, the workdir.
+    """Controller paths a node must not see: the checkout (and the repository's other work trees),
+    the controller's Python, the workdir.
 
     /root and /tmp are replaced anyway; /, /usr and /usr/local are the node's own system too."""
-    cands = [PROJECT_ROOT, workdir]
+    cands = [*checkouts(), workdir]
     for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
         p = Path(prefix).resolve()
         if str(p) not in ("/", "/usr", "/usr/local"):
