@@ -141,7 +141,7 @@ def follow(argv: list[str], n: int, cpu: NodeCpu, kill_after_all: bool) -> dict[
 
 def poll(inv: Path, node: str, run: str, n: int, cpu: NodeCpu, every: float) -> dict[str, float]:
     """The alternative design: one round trip (a new remote command) per ``every`` seconds."""
-    from orchestrator.agent import run_module
+    from orchestrator.agent import NODE, run_module
     from orchestrator.hosts import HostSession
 
     cpu.start()
@@ -151,7 +151,7 @@ def poll(inv: Path, node: str, run: str, n: int, cpu: NodeCpu, every: float) -> 
         offset, pending = 0, b""
         while len(lat) < n:
             t0 = time.monotonic()
-            data = run_module(conn, "remote.runs", {"op": "read", "run": run, "offset": offset,
+            data = run_module(conn, NODE.runs, {"op": "read", "run": run, "offset": offset,
                                                      "max_bytes": 8 << 20, "workspace": conn.host.workspace})
             now = time.time_ns()
             chunk = data["t"].encode() if "t" in data else b""

@@ -15,6 +15,7 @@ import re
 import shlex
 import tarfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,30 @@ from .errors import (
 from .transport.ssh import Connection, Result
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class NodeModules:
+    """The node's entry modules: what the controller runs there as ``python3 -m MODULE``. Each reads
+    one JSON request on stdin and prints one framed result (remote/_proto.py); the ones with several
+    operations take ``{"op": ...}``. Modules that node modules start themselves (the run's supervisor,
+    its shipper and gang watch, pkgcheck in a venv) are started by name in remote/ (tests/test_layout.py
+    checks every one)."""
+
+    probe: str = "remote.env.probe"              # verify-env: python, OS, GPUs, disk (read only)
+    pkgcheck: str = "remote.env.pkgcheck"        # verify-env: the job's pins against the venv (its python)
+    gpu_preflight: str = "remote.gpu.preflight"  # verify-env --gpu (the venv's python: torch, triton)
+    provision: str = "remote.env.provision"      # provision: the venv, installs, each install verified
+    sync: str = "remote.transfer.sync"           # sync-data, and launch's restore of outputs
+    stage: str = "remote.transfer.stage"         # stage-model
+    push: str = "remote.files.push"              # sync-code (ops state, push, sync)
+    pull: str = "remote.files.pull"              # pull (ops list, send)
+    runs: str = "remote.runs"                    # launch, status, tail, stop, outputs (ops: see remote/runs/ops.py)
+    gang: str = "remote.gang"                    # a gang's preflight, address check, interface (ops)
+    exec: str = "remote.exec"                    # exec: an ad-hoc command, streamed
+
+
+NODE = NodeModules()
 NEED_UPLOAD = 97
 PY_MISSING = 127
 

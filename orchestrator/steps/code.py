@@ -54,7 +54,6 @@ from .report import MoveReport
 if TYPE_CHECKING:
     from ..transport.ssh import Connection
 
-MODULE = "remote.files.push"
 PUSH_TIMEOUT_S = 24 * 3600.0
 
 
@@ -137,10 +136,10 @@ def start_local(loaded: LoadedJob) -> Local:
 
 
 def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
-    from ..agent import NEED_UPLOAD, module_command, parse_output, upload_agent
+    from ..agent import NEED_UPLOAD, NODE, module_command, parse_output, upload_agent
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
-    cmd = module_command(MODULE, conn.host.python, flags="-S")
+    cmd = module_command(NODE.push, conn.host.python, flags="-S")
     buf = bytearray(json.dumps(header).encode("utf-8", "surrogateescape") + b"\n")
     buf += payload
     # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
@@ -153,7 +152,7 @@ def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeou
     if res.exit_code == NEED_UPLOAD:
         upload_agent(conn)
         res = conn.run(cmd, stdin=data, timeout=timeout, on_line=keep)
-    return parse_output(conn, res, MODULE)
+    return parse_output(conn, res, NODE.push)
 
 
 def _stderr(host: str) -> Callable[[str], None]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..transport.base import Transport
 
 NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
@@ -98,7 +98,7 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
 
     start = time.monotonic()
     limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S
-    data = run_module(conn, "remote.exec", {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
+    data = run_module(conn, NODE.exec, {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
                       timeout=limit, on_event=on_event)
     data = data if isinstance(data, dict) else {}
     return ExecResult(conn.name, int(data.get("exit", 1)), float(data.get("seconds") or time.monotonic() - start),

@@ -237,7 +237,6 @@ def address_problems(plan: GangPlan, results: Mapping[str, Mapping[str, Any]]) -
 
 
 # --------------------------------------------------------------------------- before the launch, on the nodes
-GANG_MODULE = "remote.gang"
 CHECK_WINDOW_S = 20.0
 
 
@@ -259,7 +258,7 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     preflight (provision record and manifests the same everywhere) and the address check (every node
     reaches rank 0's rdzv and watch ports). A difference or an unreachable port: VerifyError (exit 3)
     naming the nodes. Returns the plan to launch."""
-    from ..agent import run_module
+    from ..agent import NODE, run_module
     from ..errors import VerifyError
     from .runs import job_workspace
 
@@ -270,7 +269,7 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     manifests = {"data": job.data.dest if job.data else None, "model": job.model.dest if job.model else None}
 
     def facts(conn: Any) -> Any:
-        return run_module(conn, GANG_MODULE, {"op": "facts", "workspace": job_workspace(job, conn.host.workspace),
+        return run_module(conn, NODE.gang, {"op": "facts", "workspace": job_workspace(job, conn.host.workspace),
                                               "job": job.name, "manifests": manifests}, timeout=60)
 
     got = _all_or_raise(sess.each(facts))
@@ -296,7 +295,7 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
         else:
             req = {"op": "connect", "address": plan.master.address, "ports": ports, "token": token,
                    "rank": node.rank, "window": CHECK_WINDOW_S - 2}
-        return run_module(conn, GANG_MODULE, req, timeout=CHECK_WINDOW_S + 60)
+        return run_module(conn, NODE.gang, req, timeout=CHECK_WINDOW_S + 60)
 
     results = _all_or_raise(sess.each(check))
     problems = address_problems(plan, results)

@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..errors import ConnectionLost, DfoError, HostError, HostKeyError, NoResult, RemoteCommandError
 from ..transport.ssh import Connection
 
-MODULE = "remote.runs"
 HEARTBEAT_S = 2.0
 STALL_S = 8.0
 RECONNECT_BUDGET_S = 300.0
@@ -202,7 +201,7 @@ def stream(
             st.started = False
             dog.arm()
             try:
-                data = run_module(conn, MODULE, req, timeout=1e9 if remaining is None else remaining + 120,
+                data = run_module(conn, NODE.runs, req, timeout=1e9 if remaining is None else remaining + 120,
                                   on_event=on_event)
             except HostKeyError:
                 raise  # a changed key is no dropped link: never retried
@@ -228,7 +227,7 @@ def stream(
             finally:
                 dog.armed = False
             if not st.started:
-                raise _never_started(conn.name, f"{MODULE} answered without streaming the log")
+                raise _never_started(conn.name, f"{NODE.runs} answered without streaming the log")
             if to_end or data.get("state") != "running":
                 st.split.flush()
             return data

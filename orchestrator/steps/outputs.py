@@ -16,13 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import LoadedJob, OutputsConfig
 from ..errors import RemoteCommandError
 from ..transport.ssh import Connection
 from .report import MoveReport
-
-MODULE = "remote.runs"
 
 
 def files(n: int) -> str:
@@ -234,7 +232,7 @@ def outputs(conn: Connection, workspace: str, run: str | None, job: str | None) 
     """The run (RunInfo) with its outputs record in full."""
     from .runs import RunInfo
 
-    data = run_module(conn, MODULE, {"op": "outputs", **request(workspace, run, job)}, timeout=60)
+    data = run_module(conn, NODE.runs, {"op": "outputs", **request(workspace, run, job)}, timeout=60)
     return RunInfo.model_validate(data)
 
 
@@ -247,7 +245,7 @@ def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
     if loaded is not None and loaded.job.outputs is not None and loaded.job.outputs.dest:
         req["outputs"] = outputs_spec(loaded, run)
         req["outputs_credentials"] = outputs_credentials(loaded)
-    return run_module(conn, MODULE, req, timeout=7 * 24 * 3600.0, on_event=on_event)  # type: ignore[no-any-return]
+    return run_module(conn, NODE.runs, req, timeout=7 * 24 * 3600.0, on_event=on_event)  # type: ignore[no-any-return]
 
 
 def summary_line(o: dict[str, Any] | None) -> str | None:

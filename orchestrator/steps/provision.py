@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from remote.lib.redact import redact, redact_obj
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import Job, LoadedJob
 from ..errors import EXIT_OK, DfoError
 from ..transport.ssh import Connection
@@ -78,7 +78,7 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
 
     timeout = 600 + install_timeout * (len(job.packages) + 3)
     try:
-        data = run_module(conn, "remote.env.provision", req, timeout=timeout, on_event=on_event)
+        data = run_module(conn, NODE.provision, req, timeout=timeout, on_event=on_event)
     except DfoError as exc:
         details = exc.details or {}
         rep = details.get("report")

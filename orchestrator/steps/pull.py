@@ -25,14 +25,13 @@ from typing import Any
 
 from remote.lib.fsutil import write_atomic
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import LoadedJob
 from ..errors import ConfigError, VerifyError
 from ..transport.ssh import Connection
 from .report import MoveReport
 from .runs import job_workspace, status
 
-MODULE = "remote.files.pull"
 PULL_TIMEOUT_S = 7 * 24 * 3600.0
 MANIFEST = "pull-manifest.json"
 
@@ -165,7 +164,7 @@ def pull(conn: Connection, *, run: str | None, paths: list[str], to: str | None,
     if not source:
         raise ConfigError(f"run {info.id}: its record on the node names no workdir", host=conn.name)
     dest = Path(to) if to else Path("runs") / info.id
-    listing = run_module(conn, MODULE, {"op": "list", "root": source, "paths": paths}, timeout=600)
+    listing = run_module(conn, NODE.pull, {"op": "list", "root": source, "paths": paths}, timeout=600)
     if listing.get("missing"):
         raise ConfigError(f"pull: not on the node under {listing['root']}: {', '.join(listing['missing'])}",
                           host=conn.name, hint="PATH is relative to the run's folder")
@@ -220,7 +219,7 @@ def pull(conn: Connection, *, run: str | None, paths: list[str], to: str | None,
                 on_event({"type": "progress", "bytes": sink.bytes, "files": sink.done, "files_total": len(wanted)})
 
         try:
-            run_module(conn, MODULE, {"op": "send", "root": source,
+            run_module(conn, NODE.pull, {"op": "send", "root": source,
                                       "files": [{k: w[k] for k in ("path", "size", "mtime_ns", "offset")}
                                                 for w in wanted]}, timeout=PULL_TIMEOUT_S, on_event=ev)
         finally:

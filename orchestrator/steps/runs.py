@@ -1,7 +1,7 @@
 """Runs, the library side: render the command, launch detached, follow the log, status, stop.
 
 The node side is remote/runs/ops.py (+ remote/runs/supervisor.py). Everything here goes through
-``agent.run_module(conn, "remote.runs", {"op": ...})``; secrets travel in the request on stdin.
+``agent.run_module(conn, NODE.runs, {"op": ...})``; secrets travel in the request on stdin.
 
 Following a log (``follow``, ``read_lines``) lives in orchestrator.steps.logstream: one
 long-lived remote command per connection streams the log's new bytes as framed events with their
@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import Job, LoadedJob, RunConfig, is_secret_env
 from ..config.rules import PLACEHOLDERS, fill_placeholders
 from ..config.yamlpos import line_in_file
@@ -34,7 +34,6 @@ from ..transport.ssh import Connection
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 
-MODULE = logstream.MODULE
 TAIL_FOR_DIAGNOSIS = 80
 
 
@@ -297,13 +296,13 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
         from .outputs import launch_fields
 
         req.update(launch_fields(loaded, rid))  # the spec; credentials (stdin only) beside it
-    data = run_module(conn, MODULE, req, timeout=120)
+    data = run_module(conn, NODE.runs, req, timeout=120)
     if "need" in data:  # some files differ on the node: send their content (only theirs)
         need = set(data["need"])
         for up, local in zip(req["uploads"], uploads, strict=True):
             if up["path"] in need:
                 up["content_b64"] = base64.b64encode(Path(local["_local"]).read_bytes()).decode()
-        data = run_module(conn, MODULE, req, timeout=600)
+        data = run_module(conn, NODE.runs, req, timeout=600)
     info = RunInfo.model_validate(data)
     info.restore = restore
     return info
@@ -314,7 +313,7 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
 
 def status(conn: Connection, workspace: str, run: str | None = None, job: str | None = None,
            limit: int = 20) -> list[RunInfo]:
-    data = run_module(conn, MODULE, {"op": "status", "workspace": workspace, "run": run, "job": job,
+    data = run_module(conn, NODE.runs, {"op": "status", "workspace": workspace, "run": run, "job": job,
                                      "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
     return [RunInfo.model_validate(r) for r in data["runs"]]
 
@@ -324,7 +323,7 @@ def stop(conn: Connection, workspace: str, run: str, grace: float | None = None,
     """Stop the run; with ``outputs_wait`` > 0, also wait up to that long for a stopped run's last
     outputs pass (it ships the checkpoint the trainer left)."""
     timeout = (grace if grace is not None else 300.0) + 60 + outputs_wait
-    data = run_module(conn, MODULE, {"op": "stop", "workspace": workspace, "run": run, "grace": grace,
+    data = run_module(conn, NODE.runs, {"op": "stop", "workspace": workspace, "run": run, "grace": grace,
                                      "job": job, "wait_outputs": outputs_wait or None}, timeout=timeout)
     return RunInfo.model_validate(data)
 

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from remote.lib.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import LoadedJob, S3Config
 from ..config.rules import source_kind
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
@@ -119,7 +119,7 @@ def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> 
 def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str, Any],
              on_event: Callable[[dict[str, Any]], None] | None = None) -> TransferReport:
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
-    module = "remote.transfer.sync" if what == "data" else "remote.transfer.stage"
+    module = NODE.sync if what == "data" else NODE.stage
     python = loaded.job.venv_python if source_kind(request["source"]) == "hf" else None
     # what the node refuses to sync into (remote/lib/destsafety.py): the workspace root, a dest holding the venv
     request = dict(request, workspace=job_workspace(loaded.job, conn.host.workspace), venv=loaded.job.venv)

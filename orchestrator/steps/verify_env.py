@@ -11,7 +11,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, model_serializer
 
-from ..agent import run_module
+from ..agent import NODE, run_module
 from ..config.models import Job
 from ..errors import EXIT_OK, EXIT_VERIFY, DfoError, HostError
 from ..facts.node import NodeFacts, PkgReport, Problem
@@ -90,7 +90,7 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
 def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
     ws = workspace_of(conn, job)
     record = provision_record_path(ws, job.name) if job else None
-    raw = run_module(conn, "remote.env.probe", {
+    raw = run_module(conn, NODE.probe, {
         "paths": {"workspace": ws, "shm": "/dev/shm"},
         "venv_python": job.venv_python if job else None,
         "records": [record] if record else [],
@@ -110,7 +110,7 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
                 message=f"the job's interpreter {job.venv_python} does not exist; run: dfo provision -H {conn.name} -j {job.name}",
             ))
         else:
-            pk = PkgReport.model_validate(run_module(conn, "remote.env.pkgcheck", {
+            pk = PkgReport.model_validate(run_module(conn, NODE.pkgcheck, {
                 "pins": job.packages,
                 "overrides": [o.model_dump() for o in job.overrides],
                 "names": [dist_name(p) for p in job.packages],
@@ -122,7 +122,7 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
     if gpu:
         py = job.venv_python if job is not None and facts.venv_python_exists else conn.host.python
         try:
-            report.gpu = run_module(conn, "remote.gpu.preflight", {}, python=py, timeout=gpu_timeout)
+            report.gpu = run_module(conn, NODE.gpu_preflight, {}, python=py, timeout=gpu_timeout)
         except HostError:
             raise  # the host went away: exit 4, not a GPU problem
         except DfoError as exc:
