@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback for the user
         if os.environ.get("DFO_DEBUG"):
             raise
-        from .cli_common import clean
+        from .terminal import clean
 
         sys.stderr.write(f"error: unexpected {type(exc).__name__}: {clean(exc)}\n  set DFO_DEBUG=1 for a traceback\n")
         sys.exit(EXIT_UNEXPECTED)

@@ -84,7 +84,7 @@ class HostSession:
         with self._lock:
             c = self._conns.get(name)
             if c is None:
-                from .transport.ssh import open_connection
+                from .transport import open_connection
 
                 c = self._conns[name] = open_connection(self.hosts[name])
             return c

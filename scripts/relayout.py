@@ -167,7 +167,8 @@ FIXUPS: list[tuple[str, str, str]] = [
 
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".json", ".txt", ".cfg", ".ini"}
 SKIP_PREFIXES = ("remote/_vendor/", "bench/results/", ".git/", ".venv/")
-SKIP_FILES = {"scripts/relayout.py", "docs/architecture-layout.md"}  # they name the old layout on purpose
+SKIP_FILES = {"scripts/relayout.py", "scripts/importgraph.py", "docs/architecture-layout.md"}  # name the old
+# layout on purpose
 TOP = ("orchestrator", "remote")
 
 
@@ -446,7 +447,8 @@ def _dotted_rules(mods: set[str]) -> list[tuple[re.Pattern[str], object]]:
         if old in mods:  # the old name is now a package (remote.runs): only ``old.attr`` moves
             def sub(m: re.Match[str], old: str = old, new: str = new) -> str:
                 attr = m.group(1)
-                return m.group(0) if f"{old}.{attr}" in mods else f"{new}.{attr}"
+                keep = f"{old}.{attr}" in mods or attr in init_names(old)
+                return m.group(0) if keep else f"{new}.{attr}"
             rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}\.(\w+)"), sub))
         else:
             rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}(?![\w])"), new))

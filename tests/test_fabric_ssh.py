@@ -17,7 +17,8 @@ import yaml
 
 from orchestrator.config.models import load_inventory, resolve_host
 from orchestrator.errors import ConnectionLost, HostError
-from orchestrator.transport.base import STDERR_KEEP, Transport, open_connection
+from orchestrator.transport import open_connection
+from orchestrator.transport.base import STDERR_KEEP, Transport
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import Connection
 

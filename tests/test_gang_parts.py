@@ -454,7 +454,7 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
     the node whose provision record has another torch; the node finds the interface for gloo."""
     from orchestrator.agent import run_module
     from orchestrator.config.models import load_inventory, resolve_host
-    from orchestrator.transport.ssh import open_connection
+    from orchestrator.transport import open_connection
     from tests._runs_fixtures import inventory_copy
 
     inv, p = load_inventory(inventory_copy(testbed2, tmp_path))

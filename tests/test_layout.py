@@ -1,8 +1,10 @@
-"""The tree's layout (issue 21): nothing names a module by its old place, one table names the node's
-entry modules, and the agent bundle carries every file the node needs."""
+"""The tree's layout (issue 21): the import graph has no circle and no arrow up a layer, nothing names
+a module by its old place, one table names the node's entry modules, and the agent bundle carries
+every file the node needs."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import subprocess
 import sys
@@ -12,6 +14,40 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _importgraph():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("importgraph", ROOT / "scripts" / "importgraph.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["importgraph"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_import_graph_has_no_circle_and_no_arrow_up_a_layer() -> None:
+    ig = _importgraph()
+    s = ig.summary(ig.build(ROOT))
+    assert s["modules"] > 90, s["modules"]  # it did find the tree
+    assert s["circles"] == [], ig.text(ig.build(ROOT))
+    assert s["upward"] == [], s["upward"]  # steps/ never imports commands/ or the CLI; remote/ never orchestrator/
+    assert s["unplaced"] == [], "give each new module a layer in scripts/importgraph.py LAYERS"
+
+
+def test_importgraph_finds_a_circle_and_an_upward_arrow(tmp_path: Path) -> None:
+    """The check can fail: a tree with both."""
+    ig = _importgraph()
+    for pkg in ("orchestrator", "orchestrator/steps", "orchestrator/commands", "remote"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "orchestrator/steps/a.py").write_text("from . import b\nfrom ..commands import c\n")
+    (tmp_path / "orchestrator/steps/b.py").write_text("def f():\n    from .a import x\n")
+    (tmp_path / "orchestrator/commands/c.py").write_text("")
+    s = ig.summary(ig.build(tmp_path))
+    assert s["circles"] == [["orchestrator.steps.a", "orchestrator.steps.b"]]
+    assert [u.split(" (")[0] for u in s["upward"]] == ["orchestrator.steps.a -> orchestrator.commands.c"]
+    dot = ig.dot(ig.build(tmp_path), packages=False)
+    assert dot.startswith("digraph") and '"orchestrator.steps.a" -> "orchestrator.commands.c" [color=red' in dot
 
 
 def test_nothing_names_a_module_by_its_old_place() -> None:

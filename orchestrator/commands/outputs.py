@@ -127,6 +127,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
     from ..config.models import load_job
     from ..errors import EXIT_VERIFY, UsageError
     from ..steps import outputs as steps
+    from ..steps.runs import outputs_of
     from .runs import _given_run
     from .runs_follow import run_workspace
     from .runs_view import LogLines
@@ -141,7 +142,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
 
     def one(conn: Connection) -> Any:
         ws = run_workspace(conn, loaded)
-        info = steps.outputs(conn, ws, run, job)
+        info = outputs_of(conn, ws, run, job)
         if run is None:
             among = f"of job {job}" if job else "of any job here (-j JOB: a job's newest)"
             notes.note(conn.name)(f"run {info.id} (job {info.job or '?'}): the newest run {among}")

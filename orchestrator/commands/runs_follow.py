@@ -19,6 +19,7 @@ from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost
 from ..steps import runs as steps
 from ..steps.outputs import final_line
+from ..steps.workspace import job_workspace
 from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 def run_workspace(conn: Connection, loaded: LoadedJob | None) -> str:
     """Where the runs are: the job's workspace, else the host's."""
-    return steps.job_workspace(loaded.job if loaded else None, conn.host.workspace)
+    return job_workspace(loaded.job if loaded else None, conn.host.workspace)
 
 
 def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_follow: bool, start: int | str,

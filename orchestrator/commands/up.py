@@ -32,7 +32,8 @@ from ..config.models import LoadedJob, load_job
 from ..errors import DfoError, UsageError
 from ..hosts import HostSession, Outcome
 from ..steps.gang import check_hosts, is_gang
-from ..steps.runs import job_workspace, status
+from ..steps.runs import status
+from ..steps.workspace import job_workspace
 from .data import render_transfer, run_transfer
 from .preflight import check_job
 from .provision import provision_json, render_provision, run_provision

@@ -35,9 +35,9 @@ from pydantic import Field
 from remote.files.push import digest_of
 from remote.lib.fsutil import human_bytes
 
-from ..cli_common import clean
 from ..config.models import LoadedJob, RunConfig
 from ..errors import ConfigError
+from ..terminal import clean
 from .codetree import (
     LocalFile,
     Pushed,

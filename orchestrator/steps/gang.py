@@ -260,7 +260,7 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     naming the nodes. Returns the plan to launch."""
     from ..agent import NODE, run_module
     from ..errors import VerifyError
-    from .runs import job_workspace
+    from .workspace import job_workspace
 
     assert job.run is not None
     hosts = [sess.hosts[n] for n in sess.names]

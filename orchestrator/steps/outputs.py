@@ -228,14 +228,6 @@ def request(workspace: str, run: str | None, job: str | None) -> dict[str, Any]:
     return {"workspace": workspace, "run": run, "job": job}
 
 
-def outputs(conn: Connection, workspace: str, run: str | None, job: str | None) -> Any:
-    """The run (RunInfo) with its outputs record in full."""
-    from .runs import RunInfo
-
-    data = run_module(conn, NODE.runs, {"op": "outputs", **request(workspace, run, job)}, timeout=60)
-    return RunInfo.model_validate(data)
-
-
 def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A pass now for run ``run`` (an id: resolve RUN first with ``outputs``): the run's shipper does it

@@ -30,7 +30,8 @@ from ..config.models import LoadedJob
 from ..errors import ConfigError, VerifyError
 from ..transport.ssh import Connection
 from .report import MoveReport
-from .runs import job_workspace, status
+from .runs import status
+from .workspace import job_workspace
 
 PULL_TIMEOUT_S = 7 * 24 * 3600.0
 MANIFEST = "pull-manifest.json"

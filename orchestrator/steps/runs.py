@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..transport.ssh import Connection
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
+from .workspace import job_workspace, run_dir_of
 
 TAIL_FOR_DIAGNOSIS = 80
 
@@ -161,14 +162,6 @@ class StopReport(BaseModel):
 
 
 # --------------------------------------------------------------------------- job -> request
-
-
-def job_workspace(job: Job | None, host_workspace: str) -> str:
-    return (job.workspace if job is not None and job.workspace else None) or host_workspace
-
-
-def run_dir_of(workspace: str, run_id: str) -> str:
-    return f"{workspace.rstrip('/')}/.dfo/runs/{run_id}"
 
 
 def render_command(job: Job, *, run_id: str | None = None, workspace: str | None = None) -> str:
@@ -316,6 +309,12 @@ def status(conn: Connection, workspace: str, run: str | None = None, job: str | 
     data = run_module(conn, NODE.runs, {"op": "status", "workspace": workspace, "run": run, "job": job,
                                      "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
     return [RunInfo.model_validate(r) for r in data["runs"]]
+
+
+def outputs_of(conn: Connection, workspace: str, run: str | None, job: str | None) -> RunInfo:
+    """The run with its outputs record in full (dfo outputs)."""
+    data = run_module(conn, NODE.runs, {"op": "outputs", "workspace": workspace, "run": run, "job": job}, timeout=60)
+    return RunInfo.model_validate(data)
 
 
 def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None,

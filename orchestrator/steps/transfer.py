@@ -28,7 +28,7 @@ from ..config.rules import source_kind
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
 from ..transport.ssh import Connection
 from .report import MoveReport
-from .runs import job_workspace
+from .workspace import job_workspace
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
 What = Literal["data", "model"]

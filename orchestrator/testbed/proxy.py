@@ -3,7 +3,7 @@
 Tests put it between the node and SeaweedFS (or rclone) to check what dfo does with answers a real
 S3 server gives rarely: a server that ignores Range, sends the wrong range or a binary error body
 (tests/test_hardening_s3compat.py), throttles (503, 429, SlowDown) or drops connections
-(tests/test_retry.py). ``orchestrator.testbed.s3`` re-exports ``FaultProxy`` and ``PROXY_MODES``.
+(tests/test_retry.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from orchestrator.testbed.s3 import S3Endpoint
+from orchestrator.testbed.s3 import S3Endpoint
 
 # ignore-range, shift-range, binary-403: a server that gets Range or errors wrong (every such request);
 # the rest: throttling and dropped connections (every matching request, or the first ``count``, or a fraction)
@@ -85,8 +84,6 @@ class FaultProxy:
 
     @property
     def endpoint(self) -> S3Endpoint:
-        from orchestrator.testbed.s3 import S3Endpoint
-
         assert self._server is not None, "start() first"
         port = self._server.server_address[1]
         up = self.upstream

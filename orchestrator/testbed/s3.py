@@ -10,7 +10,7 @@ If-Match (no 412 for a stale ETag), has no partNumber, and sends the whole objec
 a ranged GET (so its clients turn botocore's response checksum validation down to "when_required");
 tests of such details check `endpoint.server`.
 
-FaultProxy (orchestrator/testbed/proxy.py, re-exported here) stands in front of either and misbehaves
+FaultProxy (orchestrator/testbed/proxy.py) stands in front of either and misbehaves
 on purpose (a server that ignores Range, one that sends the wrong range, an error with a binary body,
 throttling with 503/429/SlowDown, connections reset).
 
@@ -247,8 +247,4 @@ class S3Server:
         self._ports = []
 
 
-# The fault proxy (an S3 server that misbehaves on purpose) lives in orchestrator/testbed/proxy.py;
-# it imports S3Endpoint from here only when used, so this import at the end is not circular.
-from orchestrator.testbed.proxy import PROXY_MODES, FaultProxy  # noqa: E402
-
-__all__ = ["SERVERS", "PROXY_MODES", "FaultProxy", "S3Endpoint", "S3Server", "find_binary", "drop_expect_header"]
+__all__ = ["SERVERS", "S3Endpoint", "S3Server", "find_binary", "drop_expect_header"]

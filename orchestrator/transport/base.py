@@ -1,9 +1,9 @@
 """The small interface every way of reaching a node implements, and what a call returns.
 
-Two transports: ``connection.Connection`` (SSH, through fabric) and ``localconn.LocalConnection``
-(bash on this machine, for running dfo on the GPU box itself). Callers use only what is here:
-``run``, ``close``, ``reconnect``, ``name`` and ``host``; ``open_connection`` picks the transport
-the inventory names. This module imports neither paramiko nor fabric.
+Two transports: ``ssh.Connection`` (SSH, through fabric) and ``local.LocalConnection`` (bash on
+this machine, for running dfo on the GPU box itself). Callers use only what is here: ``run``,
+``close``, ``reconnect``, ``name`` and ``host``; ``orchestrator.transport.open_connection`` picks
+the transport the inventory names. This module imports neither paramiko nor fabric.
 """
 
 from __future__ import annotations
@@ -54,17 +54,6 @@ class Transport(ABC):
 
     def reconnect(self) -> None:
         self.close()
-
-
-def open_connection(host: ResolvedHost) -> Transport:
-    """The transport the inventory names for this host (imported only when used)."""
-    if host.transport == "local":
-        from .local import LocalConnection
-
-        return LocalConnection(host)
-    from .ssh import Connection
-
-    return Connection(host)
 
 
 class _Tail:

@@ -47,12 +47,11 @@ import paramiko
 
 from ..config.models import ResolvedHost, ssh_configuration
 from ..errors import ConnectionLost, DfoError, HostError
-from .base import Result, Transport, _Collector, _Tail, open_connection
+from .base import Result, Transport, _Collector, _Tail
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 
-__all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint",
-           "open_connection"]
+__all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint"]
 
 LOST_HINT = ("once the node answers again, run the same command again "
              "(provision, stage-model and sync-data resume where they stopped)")

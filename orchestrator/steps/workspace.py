@@ -1,0 +1,13 @@
+"""Where dfo keeps its records on a node: the job's workspace (else the host's), a run's folder."""
+
+from __future__ import annotations
+
+from ..config.models import Job
+
+
+def job_workspace(job: Job | None, host_workspace: str) -> str:
+    return (job.workspace if job is not None and job.workspace else None) or host_workspace
+
+
+def run_dir_of(workspace: str, run_id: str) -> str:
+    return f"{workspace.rstrip('/')}/.dfo/runs/{run_id}"
