@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import remote
 from remote._proto import RESULT_PREFIX, split_frame
@@ -186,16 +186,27 @@ def run_module(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
+    payload: bytes | None = None,
+    flags: str = "",
 ) -> Any:
     """Run ``python3 -m <module>`` on the node with ``request`` on stdin; return the result's data.
 
-    ``env`` is for non-secret values only (they appear in the node's process listing); put
-    secrets in ``request``. Frames are found wherever they start in a line, so a login shell's
+    The request is one line of JSON; ``payload`` (bytes an op takes, such as code push's files)
+    follows it on stdin. ``env`` is for non-secret values only (they appear in the node's process
+    listing); put secrets in ``request``. ``flags``: python's own options (``-S`` for a module that
+    needs no site-packages). Frames are found wherever they start in a line, so a login shell's
     banner or title escape glued in front of one does no harm. Only the result frame is kept in
-    memory; events go to ``on_event`` as they arrive.
+    memory; events go to ``on_event`` as they arrive. A node without this bundle gets it uploaded
+    and the call is made again, once.
     """
     py = python or conn.host.python
-    payload = json.dumps(request or {})
+    text = json.dumps(request or {})
+    stdin: bytes | str = text
+    if payload is not None:
+        buf = bytearray(text.encode() + b"\n")
+        buf += payload
+        # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
+        stdin = cast(bytes, memoryview(buf))
 
     def on_line(line: str) -> bool:
         """Dispatch an event; True for the result frame, the one line the connection keeps."""
@@ -213,11 +224,11 @@ def run_module(
                 on_event(ev)
         return False
 
-    cmd = module_command(module, py, env, args)
-    res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+    cmd = module_command(module, py, env, args, flags=flags)
+    res = conn.run(cmd, stdin=stdin, timeout=timeout, on_line=on_line)
     if res.exit_code == NEED_UPLOAD:
         upload_agent(conn)
-        res = conn.run(cmd, stdin=payload, timeout=timeout, on_line=on_line)
+        res = conn.run(cmd, stdin=stdin, timeout=timeout, on_line=on_line)
     if res.exit_code == PY_MISSING and RESULT_PREFIX not in res.stdout:
         raise VerifyError(f"{py} not found on the node", host=conn.name,
                           hint="install python3 (3.8 or newer) there, or set python: for this host in the inventory")

@@ -1,4 +1,9 @@
-"""Framing of what a remote module says on stdout (python3 3.8+, stdlib only).
+"""The node protocol (python3 3.8+, stdlib only): the request a node module reads, the frames it prints.
+
+The request is the first line of stdin: one JSON object (so secrets never sit in argv). A module
+with several operations names them in it, ``{"op": NAME, ...}``, and ``serve(ops)`` runs
+``ops[NAME](request)``; a module with one job reads the whole object (``main(handler)``). Bytes
+after that line are the operation's payload (code push's files: ``payload()``), never JSON.
 
 A remote module may print anything (banners, warnings, locale noise); the controller only
 reads two kinds of lines:
@@ -12,7 +17,8 @@ terminal-title escape or a banner with no trailing newline, which glues onto the
 ``split_frame`` finds the earliest prefix in a line; JSON never holds a raw newline, so a frame
 always ends its line.
 
-The request comes on stdin as one JSON document, so secrets never sit in argv.
+Every op's request and reply shapes are written down as TypedDicts at the top of the module that
+serves it (remote/runs/ops.py, remote/gang/ops.py, remote/files/push.py, remote/files/pull.py).
 """
 import json
 import sys
@@ -60,10 +66,31 @@ def emit_result(obj):
 
 
 def read_request():
-    raw = sys.stdin.read()
+    """The request: the first line of stdin, a JSON object (``{}`` when there is none)."""
+    raw = sys.stdin.buffer.readline()
     if not raw.strip():
         return {}
-    return json.loads(raw)
+    return json.loads(raw.decode("utf-8", "surrogateescape"))
+
+
+def payload():
+    """stdin after the request line, as a binary stream: the bytes an op takes (code push's files)."""
+    return sys.stdin.buffer
+
+
+def dispatch(ops, request):
+    """``ops[request["op"]](request)``; an unknown op is a usage error naming the known ones."""
+    name = request.get("op")
+    op = ops.get(name) if isinstance(name, str) else None
+    if op is None:
+        raise RemoteError("usage", "unknown op %r (this module knows: %s)" % (name, ", ".join(sorted(ops))))
+    return op(request)
+
+
+def serve(ops):
+    """The entry of a node module with operations, ``{name: handler(request) -> data}``: read the
+    request, run the op it names, print the framed result (see ``main``). Never raises."""
+    main(lambda request: dispatch(ops, request))
 
 
 def main(handler):

@@ -19,8 +19,22 @@ import select
 import signal
 import subprocess
 import time
+from typing import Optional, TypedDict
 
 from remote._proto import RemoteError, emit_event, main
+
+
+class ExecRequest(TypedDict):
+    command: str  # shell text (shlex.join of the user's argv)
+    timeout: Optional[float]
+
+
+class ExecReply(TypedDict):
+    exit: int
+    timed_out: bool
+    signal: Optional[int]
+    seconds: float
+
 
 CHUNK = 65536
 LINE_MAX = 1 << 20  # a longer line without a newline goes out in pieces
@@ -159,7 +173,7 @@ def run(command, timeout):
     return {"exit": status, "timed_out": timed_out, "signal": sig, "seconds": round(time.monotonic() - start, 3)}
 
 
-def handle(req):
+def handle(req: ExecRequest):
     command = req.get("command")
     timeout = req.get("timeout")
     if not isinstance(command, str) or not command.strip():

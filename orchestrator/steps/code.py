@@ -22,13 +22,12 @@ with ``code:``.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -136,23 +135,10 @@ def start_local(loaded: LoadedJob) -> Local:
 
 
 def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
-    from ..agent import NEED_UPLOAD, NODE, module_command, parse_output, upload_agent
+    from ..agent import NODE, run_module
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
-    cmd = module_command(NODE.push, conn.host.python, flags="-S")
-    buf = bytearray(json.dumps(header).encode("utf-8", "surrogateescape") + b"\n")
-    buf += payload
-    # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
-    data = cast(bytes, memoryview(buf))
-
-    def keep(line: str) -> bool:
-        return "@@DFO-RESULT@@" in line
-
-    res = conn.run(cmd, stdin=data, timeout=timeout, on_line=keep)
-    if res.exit_code == NEED_UPLOAD:
-        upload_agent(conn)
-        res = conn.run(cmd, stdin=data, timeout=timeout, on_line=keep)
-    return parse_output(conn, res, NODE.push)
+    return run_module(conn, NODE.push, header, payload=payload, timeout=timeout, flags="-S")
 
 
 def _stderr(host: str) -> Callable[[str], None]:

@@ -10,7 +10,6 @@ outputs.path on the node is missing or empty (restore), with sync-data's engine.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -89,31 +88,13 @@ class RestoreReport(MoveReport):
     why: str | None = None  # skipped: outputs.path holds files already
 
 
-_LOOK = """import os, sys
-p = os.path.expanduser(sys.argv[1])
-try:
-    names = [n for n in os.listdir(p) if not n.startswith(".dfo")]
-except FileNotFoundError:
-    print("missing " + p)
-except NotADirectoryError:
-    print("notdir " + p)
-else:
-    print(("empty " if not names else "full %d " % len(names)) + p)
-"""
-
-
 def look(conn: Connection, path: str) -> tuple[str, str]:
-    """("missing" | "empty" | "full" | "notdir", the path expanded on the node). dfo's own .dfo names do
-    not count: a folder holding only them is empty."""
-    res = conn.run(f"{shlex.quote(conn.host.python)} -c {shlex.quote(_LOOK)} {shlex.quote(path)}", timeout=60)
-    line = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
-    kind, _, rest = line.partition(" ")
-    if res.exit_code != 0 or kind not in ("missing", "empty", "full", "notdir"):
-        raise RemoteCommandError(f"could not look at outputs.path {path} on the node (exit {res.exit_code})",
-                                 host=conn.name)
-    if kind == "full":
-        rest = rest.partition(" ")[2]
-    return kind, rest
+    """("missing" | "empty" | "full" | "notdir", the path expanded on the node): remote.runs op ``look``.
+    dfo's own .dfo names do not count: a folder holding only them is empty."""
+    data = run_module(conn, NODE.runs, {"op": "look", "path": path}, timeout=60)
+    if not isinstance(data, dict) or data.get("kind") not in ("missing", "empty", "full", "notdir"):
+        raise RemoteCommandError(f"could not look at outputs.path {path} on the node", host=conn.name)
+    return str(data["kind"]), str(data.get("path") or path)
 
 
 def restore_request(loaded: LoadedJob, run_id: str, path: str) -> dict[str, Any]:

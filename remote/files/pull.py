@@ -15,11 +15,45 @@ import base64
 import hashlib
 import os
 import stat
+from typing import Dict, List, TypedDict
 
-from remote._proto import RemoteError, emit_event, main
+from remote._proto import RemoteError, emit_event, serve
 from remote.lib.fsutil import FILE_FLAGS
 
 CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------- requests and replies
+
+
+class ListRequest(TypedDict, total=False):
+    """``list`` -> ListReply."""
+    op: str
+    root: str  # ~ expanded on the node
+    paths: List[str]  # relative to root; default: all of it
+
+
+class ListReply(TypedDict):
+    root: str  # its real path
+    files: Dict[str, List[int]]  # path -> [size, mtime_ns]
+    links: List[str]  # symlinks (never followed, never sent): the first 20
+    n_links: int
+    missing: List[str]  # paths asked for that are not there
+
+
+class Wanted(TypedDict):
+    path: str
+    size: int
+    mtime_ns: int
+    offset: int  # send from here (an earlier part is on the controller already)
+
+
+class SendRequest(TypedDict, total=False):
+    """``send`` -> ``{"sent": int}``, after events per file: ``{"t": "d", "i": N, "b": base64}`` (1 MiB
+    each), ``{"t": "end", "i": N, "sha256": whole file}``, or ``{"t": "changed", "i": N}``."""
+    op: str
+    root: str
+    files: List[Wanted]
 
 
 def _rel_ok(rel):
@@ -31,7 +65,7 @@ def _skip(name):
     return name.startswith(".dfo")
 
 
-def op_list(req):
+def op_list(req: ListRequest):
     root = os.path.expanduser(req["root"])
     if not os.path.isdir(root):
         raise RemoteError("usage", "pull: %s is not a folder on the node" % root)
@@ -76,7 +110,7 @@ def op_list(req):
             "missing": missing}
 
 
-def op_send(req):
+def op_send(req: SendRequest):
     root = os.path.expanduser(req["root"])
     sent = 0
     for i, f in enumerate(req.get("files") or []):
@@ -113,14 +147,8 @@ def op_send(req):
     return {"sent": sent}
 
 
-def handler(req):
-    op = req.get("op")
-    if op == "list":
-        return op_list(req)
-    if op == "send":
-        return op_send(req)
-    raise RemoteError("usage", "pullfiles: unknown op %r" % (op,))
+OPS = {"list": op_list, "send": op_send}
 
 
 if __name__ == "__main__":
-    main(handler)
+    serve(OPS)

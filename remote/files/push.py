@@ -30,13 +30,60 @@ import hashlib
 import json
 import os
 import stat
-import sys
 import time
-import traceback
+from typing import Any, Dict, List, Optional, TypedDict
 
-from remote._proto import RemoteError, emit_result
+from remote._proto import RemoteError, payload, serve
 from remote.lib.destsafety import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
 from remote.lib.fsutil import FILE_FLAGS, write_atomic
+
+# --------------------------------------------------------------------------- requests and replies
+# The request is the first line of stdin; push's and sync's file bytes follow it (the payload).
+
+
+class StateRequest(TypedDict):
+    """``state`` -> StateReply."""
+    op: str
+    dest: str
+
+
+class StateReply(TypedDict):
+    dest: str  # its real path
+    digest: Optional[str]  # of the manifest (digest_of); None: nothing pushed yet
+    dirty: List[str]  # files no longer as dfo left them
+    files: Dict[str, List[Any]]  # path -> [sha256, mode, link]
+
+
+class FileEntry(TypedDict):
+    path: str
+    sha256: Optional[str]
+    mode: Optional[int]  # 0o755 or 0o644 (None for a link)
+    size: int  # bytes of the payload that are this file's, in request order
+    link: Optional[str]  # a symlink's target (no bytes)
+
+
+class PushRequest(StateRequest, total=False):
+    """``push`` and ``sync`` -> PushReply; ``sync`` checks the result against ``want``, and on a mismatch
+    adds StateReply's ``files`` and ``dirty``."""
+    files: List[FileEntry]
+    delete: List[str]
+    want: str  # sync: the digest of the controller's whole tree
+
+
+class PushReply(TypedDict, total=False):
+    match: bool
+    dest: str
+    sent: int
+    bytes: int
+    deleted: int
+    kept: int  # files not deleted because they changed since dfo pushed them
+    kept_files: List[str]
+    digest: str
+    count: int
+    seconds: float
+    files: Dict[str, List[Any]]
+    dirty: List[str]
+
 
 MANIFEST = "code-manifest.json"
 TMP_DIR = "code-tmp"
@@ -183,7 +230,7 @@ class Dest:
             self.tree.close()
 
 
-def op_state(req):
+def op_state(req: StateRequest):
     """The manifest (path -> [sha256, mode, link]), its digest, and the files no longer as dfo left them."""
     d = Dest(req["dest"], create=False)
     try:
@@ -256,7 +303,12 @@ def _delete(tree, files, rels):
     return deleted, kept
 
 
-def op_push(req, stream, want=None):
+def op_push(req: PushRequest):
+    """Deletions, then the files whose bytes follow the request line (the payload), then the manifest."""
+    return _push(req, payload())
+
+
+def _push(req, stream, want=None):
     started = time.time()
     d = Dest(req["dest"], create=True)
     tree = d.tree
@@ -318,7 +370,7 @@ def _all_intact(d, files):
     return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items())
 
 
-def op_sync(req, stream):
+def op_sync(req: PushRequest):
     """``push`` (when the request carries files or deletions), then the check of ``state``, in one
     command: the controller sends what it believes changed since its last push, with ``want``, the
     digest of its whole tree. ``match`` is true when the node's manifest then has digest ``want``
@@ -326,7 +378,7 @@ def op_sync(req, stream):
     dirty list, and the controller sends the rest. Nothing is written when nothing was sent."""
     want = req.get("want")
     if req.get("files") or req.get("delete"):
-        out = op_push(req, stream, want)
+        out = _push(req, payload(), want)
     else:
         d = Dest(req["dest"], create=False)
         try:  # the common case, nothing changed: the stored rows checked as they are
@@ -343,31 +395,18 @@ def op_sync(req, stream):
     return out
 
 
-def main():
-    stream = sys.stdin.buffer
-    try:
-        line = stream.readline()
-        req = json.loads(line.decode("utf-8", "surrogateescape") or "{}")
-        op = req.get("op")
-        if op == "state":
-            data = op_state(req)
-        elif op == "push":
-            data = op_push(req, stream)
-        elif op == "sync":
-            data = op_sync(req, stream)
-        else:
-            raise RemoteError("usage", "codepush: unknown op %r" % (op,))
-        emit_result({"ok": True, "data": data})
-    except RemoteError as exc:
-        err = {"kind": exc.kind, "message": exc.message}
-        err.update(exc.extra)
-        emit_result({"ok": False, "error": err})
-    except OSError as exc:
-        emit_result({"ok": False, "error": {"kind": "verify", "message": "code: %s" % exc}})
-    except Exception as exc:  # noqa: BLE001 - report, never a bare traceback
-        emit_result({"ok": False, "error": {"kind": "internal", "message": "%s: %s" % (type(exc).__name__, exc),
-                                            "traceback": traceback.format_exc(limit=8)}})
+def _code_errors(op):
+    """An OSError while pushing (a full disk, a permission) is a verification failure naming code:."""
+    def run(req):
+        try:
+            return op(req)
+        except OSError as exc:
+            raise RemoteError("verify", "code: %s" % exc) from None
+    return run
+
+
+OPS = {"state": _code_errors(op_state), "push": _code_errors(op_push), "sync": _code_errors(op_sync)}
 
 
 if __name__ == "__main__":
-    main()
+    serve(OPS)

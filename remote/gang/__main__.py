@@ -1,5 +1,5 @@
 """``python3 -m remote.gang``: see remote.gang.ops."""
-from remote._proto import main
-from remote.gang.ops import gang
+from remote._proto import serve
+from remote.gang.ops import OPS
 
-main(gang)
+serve(OPS)

@@ -22,8 +22,56 @@ import select
 import socket
 import subprocess
 import time
+from typing import Dict, List, Optional, TypedDict
 
-from remote._proto import RemoteError, main
+from remote._proto import serve
+
+# --------------------------------------------------------------------------- requests and replies
+# python3 -m remote.gang reads one JSON object, {"op": NAME, ...}; the module docstring says what each does.
+
+
+class FactsRequest(TypedDict, total=False):
+    """``facts`` -> ``{"provision": {ok, python, packages} | None, "manifests": {kind: {path, source, files,
+    bytes, digest} | None}, "gpus": int | None}``."""
+    op: str
+    workspace: str
+    job: str
+    manifests: Dict[str, str]  # kind ("data", "model") -> the dest whose manifest to read
+
+
+class ListenRequest(TypedDict, total=False):
+    """``listen`` (rank 0) -> CheckReply + ``peers``: {port: [rank, ...]}."""
+    op: str
+    ports: List[int]
+    token: str
+    expect: int
+    window: float
+
+
+class ConnectRequest(TypedDict, total=False):
+    """``connect`` (the other ranks) -> CheckReply."""
+    op: str
+    address: str
+    ports: List[int]
+    token: str
+    rank: int
+    window: float
+    connect_timeout: float
+
+
+class CheckReply(TypedDict, total=False):
+    ok: bool
+    port: Optional[int]  # the port that failed
+    error: Optional[str]
+    peers: Dict[str, List[int]]
+
+
+class IfaceRequest(TypedDict, total=False):
+    """``iface`` -> ``{"ifname": str | None}``: the interface gloo should use (GLOO_SOCKET_IFNAME)."""
+    op: str
+    address: str
+    peer: Optional[str]
+
 
 # --------------------------------------------------------------------------- facts
 
@@ -103,7 +151,7 @@ def gpu_count(proc="/proc/driver/nvidia/gpus"):
     return n
 
 
-def facts(req):
+def facts(req: FactsRequest):
     out = {"provision": provision_facts(req["workspace"], req["job"]), "manifests": {}, "gpus": gpu_count()}
     for kind, dest in sorted((req.get("manifests") or {}).items()):
         out["manifests"][kind] = manifest_facts(dest) if dest else None
@@ -139,7 +187,7 @@ def _wildcard(port):
     return s
 
 
-def listen(req):
+def listen(req: ListenRequest):
     ports = [int(p) for p in req["ports"]]
     token = req["token"].encode("ascii")
     expect = int(req.get("expect") or 0)
@@ -211,7 +259,7 @@ def _connect_once(address, port, token, rank, timeout):
         s.close()
 
 
-def connect(req):
+def connect(req: ConnectRequest):
     address, token, rank = req["address"], req["token"].encode("ascii"), req.get("rank", "?")
     timeout = float(req.get("connect_timeout") or 5)
     deadline = time.monotonic() + float(req.get("window") or 30)
@@ -293,18 +341,12 @@ def interface_for(address, peer=None):
     return None
 
 
-def gang(req):
-    op = req.get("op")
-    if op == "facts":
-        return facts(req)
-    if op == "listen":
-        return listen(req)
-    if op == "connect":
-        return connect(req)
-    if op == "iface":
-        return {"ifname": interface_for(req["address"], req.get("peer"))}
-    raise RemoteError("usage", "unknown op %r" % op)
+def iface(req: IfaceRequest):
+    return {"ifname": interface_for(req["address"], req.get("peer"))}
+
+
+OPS = {"facts": facts, "listen": listen, "connect": connect, "iface": iface}
 
 
 if __name__ == "__main__":
-    main(gang)
+    serve(OPS)

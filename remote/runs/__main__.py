@@ -1,5 +1,5 @@
 """``python3 -m remote.runs``: see remote.runs.ops."""
-from remote._proto import main
-from remote.runs.ops import handle
+from remote._proto import serve
+from remote.runs.ops import OPS
 
-main(handle)
+serve(OPS)

@@ -15,8 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any, Dict, List, Optional, TypedDict, Union
 
-from remote._proto import RemoteError, emit_event, main
+from remote._proto import RemoteError, emit_event, serve
 from remote.files.runfiles import sync_uploads
 from remote.lib.redact import is_secret, redact
 from remote.runs import outputs
@@ -24,6 +25,136 @@ from remote.runs import record as rec
 from remote.runs.logfollow import LogReader, start_offset
 from remote.runs.logfollow import Watch as _Watch
 from remote.runs.logfollow import chunk_event as _chunk_event
+
+# --------------------------------------------------------------------------- requests and replies
+# python3 -m remote.runs reads one JSON object, {"op": NAME, ...}: every op's shapes, in this one place.
+# total=False: python 3.8 has no NotRequired; the keys an op reads with req[...] are always sent.
+
+
+class Where(TypedDict, total=False):
+    """Which run: in ``workspace`` (default /workspace), ``run`` (an id or a unique prefix; default the
+    newest, of ``job`` when given). Every op but launch and look takes these."""
+    op: str
+    workspace: str
+    run: Optional[str]
+    job: Optional[str]
+    tail: int  # with a failed or lost run: its last lines, for the diagnosis
+
+
+class Upload(TypedDict, total=False):
+    """A run.upload file: written into ``workdir`` when its sha256 differs (remote/files/runfiles.py)."""
+    path: str
+    sha256: str
+    mode: int
+    content_b64: str  # sent only when the node answered {"need": [path, ...]}
+
+
+class GangPlace(TypedDict, total=False):
+    """This node's place in a gang; ``secret`` goes to the supervisor's stdin only (meta.json keeps the rest)."""
+    rank: int
+    hosts: List[str]
+    hub: str
+    port: int
+    secret: str
+    gloo_ifname: Optional[bool]
+    address: str
+    peer: Optional[str]
+
+
+class LaunchRequest(TypedDict, total=False):
+    """``launch`` -> RunInfo (+ ``uploads``: [{path, sha256, changed}]), or ``{"need": [path, ...]}``."""
+    op: str
+    workspace: str
+    run_id: str
+    job: str
+    host: str
+    command: str  # rendered, run with bash -c
+    workdir: str
+    env: Dict[str, str]
+    secret_env: Dict[str, str]  # the trainer's environment only, never meta.json
+    force: bool
+    autotune_guard: bool
+    stop_grace: Optional[float]
+    job_file: str
+    uploads: List[Upload]
+    gang: GangPlace
+    outputs: Dict[str, Any]  # the shipper's spec (steps/outputs.py outputs_spec)
+    outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
+
+
+class ReadRequest(Where, total=False):
+    """``read`` -> RunInfo + a chunk (``o``, ``t`` or ``d``) + ``next_offset``."""
+    offset: Optional[int]
+    lines: Union[int, str, None]  # N: the last N lines; "+N": from line N
+    max_bytes: int
+
+
+class FollowRequest(ReadRequest, total=False):
+    """``follow`` -> events (start, chunks, resets, heartbeats ``hb``, ``outputs``), then RunInfo."""
+    ino: Optional[int]
+    max_seconds: Optional[float]
+    heartbeat: float
+    to_end: bool
+    coalesce: float
+    outputs_wait: bool
+
+
+class StatusRequest(Where, total=False):
+    """``status`` -> ``{"runs": [RunInfo, ...]}``, newest first."""
+    limit: int
+
+
+class StopRequest(Where, total=False):
+    """``stop`` -> RunInfo (+ ``stop``, ``stop_seconds``, ``group_left``)."""
+    grace: Optional[float]
+    wait_outputs: Optional[float]
+
+
+class ShipRequest(Where, total=False):
+    """``ship`` -> the pass (``ok``, ``files``, ``bytes``, ...) + ``run`` and ``by``; events ``{"outputs": ...}``.
+    ``outputs``/``outputs_credentials`` let the node make the pass itself when the run's shipper is gone.
+    (``outputs`` takes Where alone -> RunInfo + ``outputs_spec``.)"""
+    outputs: Dict[str, Any]
+    outputs_credentials: Optional[Dict[str, Optional[str]]]
+
+
+class LookRequest(TypedDict):
+    """``look`` -> LookReply: what outputs.path holds before a launch's restore."""
+    op: str
+    path: str
+
+
+class LookReply(TypedDict, total=False):
+    kind: str  # "missing" | "empty" | "full" | "notdir"
+    path: str  # ~ expanded on the node
+    count: int  # with "full"
+
+
+class RunInfo(TypedDict, total=False):
+    """One run as ``describe`` reports it (orchestrator/steps/runs.py RunInfo reads it)."""
+    id: str
+    job: Optional[str]
+    state: str  # running | succeeded | failed | stopped | lost
+    started: Optional[str]
+    ended: Optional[str]
+    exit_code: Optional[int]
+    signal: Optional[int]
+    pid: Optional[int]
+    pgid: Optional[int]
+    supervisor_pid: Optional[int]
+    host: Optional[str]
+    run_dir: str
+    command: Optional[str]
+    workdir: Optional[str]
+    end: Optional[Dict[str, Any]]
+    last_line: Optional[str]
+    log_size: int
+    autotune_guard: Optional[Dict[str, Any]]
+    outputs: Optional[Dict[str, Any]]
+    tail: List[str]
+    group_left: List[int]
+    gang: Dict[str, Any]
+
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -111,7 +242,7 @@ def live_runs(root, job):
     return [(rid, d) for _, rid, d in rec.list_runs(root, job) if rec.run_state(d)[0] == "running"]
 
 
-def launch(req):
+def launch(req: LaunchRequest):
     run_id, job = req["run_id"], req["job"]
     if not _RUN_ID.match(run_id):
         raise RemoteError("usage", "bad run id %r" % run_id)
@@ -212,7 +343,7 @@ def _start(req, run_id, run_dir, uploads):
 # --------------------------------------------------------------------------- read / follow
 
 
-def read(req):
+def read(req: ReadRequest):
     run_id, run_dir = resolve(req)
     state = rec.run_state(run_dir)
     log = os.path.join(run_dir, rec.LOG)
@@ -230,7 +361,7 @@ def read(req):
     return info
 
 
-def follow(req):
+def follow(req: FollowRequest):
     """Stream the log from an offset as events until the run has ended and the log is drained
     (``to_end``: until the end the log has now). The events: orchestrator/steps/logstream.py. A log
     truncated or replaced meanwhile is read on from its new start, after a reset event. A run with
@@ -241,7 +372,8 @@ def follow(req):
     start = start_offset(log, req)
     hb = float(req.get("heartbeat") or 2.0)
     coalesce = float(req.get("coalesce") or 0)
-    deadline = time.time() + float(req["max_seconds"]) if req.get("max_seconds") is not None else None
+    max_seconds = req.get("max_seconds")
+    deadline = time.time() + float(max_seconds) if max_seconds is not None else None
     to_end = bool(req.get("to_end"))
     state = rec.run_state(run_dir)
     meta = state[1] or {}
@@ -333,7 +465,7 @@ def _wait_gone(meta, seconds):
     return True
 
 
-def stop(req):
+def stop(req: StopRequest):
     """SIGTERM to the run's process group, ``grace`` seconds, SIGKILL; recorded as stopped. A lost
     run whose group still has processes (the trainer's children) gets the same treatment. The shipper
     is not in that group: a stopped run with outputs gets its last pass (the supervisor starts it once
@@ -344,7 +476,8 @@ def stop(req):
         info = describe(run_id, run_dir, state=(state, meta, end))
         info["stop"] = "nothing to stop: the run is %s" % state
         return info
-    grace = float(req.get("grace") if req.get("grace") is not None else meta.get("stop_grace") or 30)
+    asked = req.get("grace")
+    grace = float(asked if asked is not None else meta.get("stop_grace") or 30)
     t0 = time.time()
     rec.write_json(os.path.join(run_dir, rec.STOP), {"requested": rec.now_iso(), "grace": grace})
     _signal_group(meta, signal.SIGTERM)
@@ -363,8 +496,9 @@ def stop(req):
         rec.write_json(end_path, {"ended": rec.now_iso(), "ended_ts": time.time(), "exit_code": None, "signal": None,
                                   "stopped": True, "oom_suspected": False,
                                   "note": "recorded by dfo stop (was %s: the supervisor was gone)" % state})
-    if req.get("wait_outputs") and outputs.spec_of(meta):  # seconds to wait for the stopped run's last pass
-        outputs.wait_settled(run_dir, meta, deadline=time.time() + float(req["wait_outputs"]))
+    wait = req.get("wait_outputs")
+    if wait and outputs.spec_of(meta):  # seconds to wait for the stopped run's last pass
+        outputs.wait_settled(run_dir, meta, deadline=time.time() + float(wait))
     info = describe(run_id, run_dir)
     info["stop"] = sent
     info["stop_seconds"] = round(time.time() - t0, 3)
@@ -372,7 +506,7 @@ def stop(req):
     return info
 
 
-def status(req):
+def status(req: StatusRequest):
     root = runs_root(req)
     if req.get("run"):
         run_id, run_dir = resolve(req)
@@ -381,24 +515,17 @@ def status(req):
     return {"runs": [describe(rid, d, tail=int(req.get("tail") or 0)) for _, rid, d in runs]}
 
 
-def outputs_op(req):
+def outputs_op(req: Where):
     return outputs.op_outputs(req, resolve, describe)
 
 
-def ship(req):
+def ship(req: ShipRequest):
     return outputs.op_ship(req, resolve)
 
 
 OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop": stop, "outputs": outputs_op,
-       "ship": ship}
-
-
-def handle(req):
-    op = OPS.get(req.get("op"))
-    if op is None:
-        raise RemoteError("usage", "unknown op %r" % req.get("op"))
-    return op(req)
+       "ship": ship, "look": outputs.op_look}
 
 
 if __name__ == "__main__":
-    main(handle)
+    serve(OPS)

@@ -155,3 +155,17 @@ def op_ship(req, resolve):
     res = dict(res or {})
     res.update({"run": run_id, "by": "request"})
     return res
+
+
+def op_look(req):
+    """Before a launch's restore: what outputs.path (``path``, ~ expanded here) holds: "missing", "empty",
+    "notdir" or "full" (then ``count``, its entries). dfo's own .dfo names do not count: a folder
+    holding only them is empty."""
+    path = os.path.expanduser(req["path"])
+    try:
+        names = [n for n in os.listdir(path) if not n.startswith(".dfo")]
+    except FileNotFoundError:
+        return {"kind": "missing", "path": path}
+    except NotADirectoryError:
+        return {"kind": "notdir", "path": path}
+    return {"kind": "full" if names else "empty", "path": path, "count": len(names)}
