@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from .errors import DfoError
-from .hosts import HostSession, Outcome
+from .hosts import HostSession, Outcome, error_json, exit_code_of  # noqa: F401 - re-exported
 from .terminal import clean  # noqa: F401 - re-exported: the commands' one sanitiser
 
 # --------------------------------------------------------------------------- text from the node
@@ -82,14 +82,6 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def session(ctx: click.Context, hosts: tuple[str, ...]) -> HostSession:
     return HostSession(ctx.obj.get("inventory"), hosts)
-
-
-def exit_code_of(outcomes: list[Outcome[Any]]) -> int:
-    return max((o.exit_code for o in outcomes), default=0)
-
-
-def error_json(err: DfoError) -> dict[str, Any]:
-    return {"ok": False, "error": err.to_json()}
 
 
 def print_json(doc: Any) -> None:

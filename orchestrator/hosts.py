@@ -35,6 +35,16 @@ class Outcome(Generic[T]):
         return int(code or 0)
 
 
+def exit_code_of(outcomes: list[Outcome[Any]]) -> int:
+    """The worst exit code of the hosts' outcomes (0 when all went well)."""
+    return max((o.exit_code for o in outcomes), default=0)
+
+
+def error_json(err: DfoError) -> dict[str, Any]:
+    """A failed host's --json document."""
+    return {"ok": False, "error": err.to_json()}
+
+
 def _resolver_failed(exc: BaseException) -> bool:
     """Whether a socket.gaierror (the resolver's own error) lies under ``exc``, however it was wrapped."""
     seen: set[int] = set()

@@ -283,11 +283,11 @@ def dot(g: Graph, packages: bool) -> str:
             edges.setdefault((a, b), set()).add("up" if (e.src, e.dst) in up else
                                                 "circle" if e.src in in_circle and e.dst in in_circle else e.kind)
     names = sorted({node(m) for m in g.modules})
-    out = ["digraph dfo {", '  rankdir=LR; node [shape=box, fontname="Helvetica", fontsize=10];',
-           '  edge [color="#777777", arrowsize=0.6];']
+    out = ["digraph dfo {", '  rankdir=TB; ranksep=0.5; nodesep=0.2;',
+           '  node [shape=box, fontname="Helvetica", fontsize=10];', '  edge [color="#777777", arrowsize=0.6];']
     by_layer: dict[str, list[str]] = {}
-    for n in names:
-        lay = layer_of(n) if packages else layer_of(n)
+    for n in sorted(names, key=lambda m: -(layer_of(m) or (9, ""))[0]):  # the top layer first, drawn on top
+        lay = layer_of(n)
         by_layer.setdefault(lay[1] if lay else "?", []).append(n)
     for lay, members in by_layer.items():
         out.append(f'  subgraph "cluster_{lay}" {{ label="{lay}"; style=rounded; color="#bbbbbb";')

@@ -20,7 +20,7 @@ from ..cli_common import (
 )
 from ..config.models import LoadedJob, load_job
 from ..errors import EXIT_OK, DfoError
-from ..steps.provision import ProvisionReport, provision
+from ..steps.provision import ProvisionReport, provision, provision_json
 
 if TYPE_CHECKING:
     from ..hosts import HostSession, Outcome
@@ -119,13 +119,6 @@ def run_provision(s: HostSession, loaded: LoadedJob, *, quiet: bool, clear_trito
         return provision(conn, loaded, clear_triton_cache=clear_triton_cache, on_step=on_step)
 
     return s.each(one, on_done=on_done)
-
-
-def provision_json(o: Outcome[ProvisionReport]) -> dict[str, Any]:
-    """One host's --json document: the report's own serialisation (a failure too)."""
-    r = o.value if o.error is None else ProvisionReport.failed(o.host, o.error)
-    assert r is not None
-    return r.model_dump(by_alias=True)
 
 
 def render_one(o: Outcome[ProvisionReport]) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -26,7 +24,8 @@ from ..cli_common import (
 )
 from ..config.models import LoadedJob, RunConfig, load_job
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
+from ..errors import UsageError
+from ..steps import fleet
 from ..steps import runs as steps
 from ..steps.gang import check_hosts, is_gang
 from ..steps.outputs import final_line as outputs_final
@@ -60,26 +59,6 @@ def _given_run(run: str | None, command: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- launch
-
-
-@dataclass
-class Launched:
-    info: steps.RunInfo
-    final: steps.RunInfo
-    seen: list[str] = field(default_factory=list)
-    watched: float = 0.0
-
-    @property
-    def exit_code(self) -> int:
-        if self.final.state in ("failed", "lost", "stopped"):
-            return EXIT_RUN
-        return EXIT_VERIFY if self.final.state == "succeeded" and self.final.outputs_failed() else 0
-
-    def report(self) -> steps.LaunchReport:
-        return steps.LaunchReport.of(self.info, self.final, self.seen, self.watched, recap(self.final, self.seen))
-
-    def to_json(self) -> dict[str, Any]:
-        return self.report().model_dump(by_alias=True)
 
 
 @click.command("launch")
@@ -146,23 +125,21 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     except KeyboardInterrupt:
         detached_launch(ctx, started, job_path)
         return 130
-    return emit(outcomes, as_json, Launched.to_json, render)
+    return emit(outcomes, as_json, fleet.Launched.to_json, render)
+
+
+def show_gang(plan: Any) -> None:
+    ranks = ", ".join(f"{n.host}={n.rank}" for n in plan.nodes)
+    err_console.print(f"dfo: gang of {len(plan.nodes)}: run {safe(plan.run_id)} (ranks {safe(ranks)}; rank 0 at "
+                      f"{safe(plan.master.address)}:{plan.rdzv_port}); preflight and address check passed",
+                      highlight=False, soft_wrap=True)
 
 
 def prepare_gang(sess: Any, loaded: LoadedJob, gang: dict[str, Any], *, quiet: bool) -> None:
-    """A gang job (run.nodes > 1 or launcher: torchrun): plan it over the session's hosts in -H order,
-    check every node (preflight, addresses; exit 3 naming the nodes), and put the plan in ``gang``."""
-    from ..steps.gang import prepare
-
-    if not is_gang(loaded.job):
-        return
-    plan = prepare(sess, loaded.job, steps.new_run_id(loaded.job.name))
-    gang["plan"] = plan
-    if not quiet:
-        ranks = ", ".join(f"{n.host}={n.rank}" for n in plan.nodes)
-        err_console.print(f"dfo: gang of {len(plan.nodes)}: run {safe(plan.run_id)} (ranks {safe(ranks)}; rank 0 at "
-                          f"{safe(plan.master.address)}:{plan.rdzv_port}); preflight and address check passed",
-                          highlight=False, soft_wrap=True)
+    """A gang job: plan and check it (steps/fleet.py prepare_gang), and say so."""
+    plan = fleet.prepare_gang(sess, loaded, gang)
+    if plan is not None and not quiet:
+        show_gang(plan)
 
 
 def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_path: str) -> None:
@@ -172,67 +149,53 @@ def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_p
                           soft_wrap=True)
 
 
+class _LaunchView:
+    """A launch as the terminal shows it: the restore's progress bar (one host), the run started, the
+    first seconds of its log."""
+
+    def __init__(self, ctx: click.Context, job_path: str, lines: LogLines, *, quiet: bool, multi: bool,
+                 workdir: str) -> None:
+        self.ctx, self.job_path, self.quiet, self.multi, self.workdir = ctx, job_path, quiet, multi, workdir
+        self.line, self.note = lines.line, lines.note
+        self.started_runs: dict[str, steps.RunInfo] = {}
+
+    @contextmanager
+    def progress(self, host: str) -> Iterator[Callable[[dict[str, Any]], None]]:
+        # a restore shows a progress bar on a terminal (one host: several bars would fight over it)
+        from ..steps.transfer import ProgressView
+
+        with ProgressView(console, enabled=not self.quiet and not self.multi) as view:
+            yield view.callback(host)
+
+    def started(self, host: str, info: steps.RunInfo, window: float) -> None:
+        self.started_runs[host] = info
+        if self.quiet:
+            return
+        with OUT:
+            console.print(f"[bold]{safe(host)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
+                          f"watching {window:g}s", highlight=False, soft_wrap=True)
+        for u in info.uploads or []:
+            if u.get("changed"):
+                self.note(host)(f"uploaded {u['path']} to {self.workdir} (sha256 {u['sha256'][:12]})")
+
+    def command(self, command: str, host: str, run_id: str) -> str:
+        return dfo_cmd(self.ctx, command, host, run_id, job_path=self.job_path)
+
+
 def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
-             multi: bool, gang: dict[str, Any] | None = None) -> tuple[Callable[[Connection], Launched], Callable[[str, Launched], None],
-                                   dict[str, steps.RunInfo]]:
+             multi: bool, gang: dict[str, Any] | None = None
+             ) -> tuple[Callable[[Connection], fleet.Launched], Callable[[str, fleet.Launched], None],
+                        dict[str, steps.RunInfo]]:
     """(launch on one connection, render one host's result, the runs started so far by host).
     ``gang``: filled with {"plan": GangPlan} before the launch when the job is a gang's."""
     run = loaded.job.run
     assert run is not None
-    lines = LogLines(multi, quiet=quiet)
-    started: dict[str, steps.RunInfo] = {}
+    view = _LaunchView(ctx, job_path, LogLines(multi, quiet=quiet), quiet=quiet, multi=multi, workdir=run.workdir)
 
-    def cmd(command: str, host: str, run_id: str) -> str:
-        return dfo_cmd(ctx, command, host, run_id, job_path=job_path)
+    def one(conn: Connection) -> fleet.Launched:
+        return fleet.launch_and_watch(conn, loaded, view, window=window, force=force, plan=(gang or {}).get("plan"))
 
-    def one(conn: Connection) -> Launched:
-        try:
-            # a restore shows a progress bar on a terminal (one host: several bars would fight over it)
-            from ..steps.transfer import ProgressView
-
-            held: list[str] = []  # the restore's line, printed once the bar is gone
-            try:
-                with ProgressView(console, enabled=not quiet and not multi) as view:
-                    plan = (gang or {}).get("plan")
-                    info = steps.launch(conn, loaded, force=force, note=held.append, on_event=view.callback(conn.name),
-                                        run_id=plan.run_id if plan else None, gang=plan)
-            finally:
-                for text in held:
-                    lines.note(conn.name)(text)
-        except DfoError as exc:
-            live = (exc.details or {}).get("running")
-            if live:  # refused: the job already runs here; say how to reach that run
-                exc.hint = (f"follow it: {cmd('tail', conn.name, str(live))}; stop it: {cmd('stop', conn.name, str(live))}; "
-                            "or launch anyway with --force")
-            raise
-        started[conn.name] = info
-        if not quiet:
-            with OUT:
-                console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
-                              f"watching {window:g}s", highlight=False, soft_wrap=True)
-            for u in info.uploads or []:
-                if u.get("changed"):
-                    lines.note(conn.name)(f"uploaded {u['path']} to {run.workdir} (sha256 {u['sha256'][:12]})")
-        seen: deque[str] = deque(maxlen=steps.TAIL_FOR_DIAGNOSIS)
-        show = lines.line(conn.name)
-
-        def on_line(text: str) -> None:
-            seen.append(text)
-            show(text)
-
-        t0 = time.monotonic()
-        final = info
-        if window > 0:
-            # a dead link ends the watch within ~30 s (exit 4, the run keeps going), not after tail's 300 s
-            try:
-                final = steps.follow(conn, _workspace(conn, loaded), run=info.id, lines="+1", max_seconds=window,
-                                     on_line=on_line, on_note=lines.note(conn.name), reconnect_budget_s=10)
-            except ConnectionLost as exc:  # the watch gave up reconnecting
-                exc.hint = f"the run is not affected; resume with: {cmd('tail', conn.name, info.id)}"
-                raise
-        return Launched(info, final, list(seen), time.monotonic() - t0)
-
-    def render(host: str, r: Launched) -> None:
+    def render(host: str, r: fleet.Launched) -> None:
         f = r.final
         if f.state == "running":
             console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] is {state_markup(f.state)} "
@@ -241,7 +204,8 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
             if plan is None or host == plan.nodes[-1].host:  # a gang: once, for every node (-H all of them)
                 where = ",".join(n.host for n in plan.nodes) if plan is not None else host
                 for label, command in (("follow", "tail"), ("status", "status"), ("stop", "stop")):
-                    console.print(f"  {label + ':':8}{safe(cmd(command, where, f.id))}", highlight=False, soft_wrap=True)
+                    console.print(f"  {label + ':':8}{safe(view.command(command, where, f.id))}", highlight=False,
+                                  soft_wrap=True)
         else:
             console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] {state_markup(f.state)} after "
                           f"{duration(f)} ({how(f)})", soft_wrap=True)
@@ -257,7 +221,7 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
         if guard:
             console.print("  " + safe(guard), soft_wrap=True)
 
-    return one, render, started
+    return one, render, view.started_runs
 
 
 # --------------------------------------------------------------------------- tail

@@ -1,5 +1,6 @@
-"""Following runs' logs on every host of a session: what `dfo tail` does, and the last step of `dfo up`
-(on the connections `up` already holds)."""
+"""Following runs' logs on every host of a session, as `dfo tail` shows it, and the last step of `dfo up`
+(on the connections `up` already holds): the view of steps/fleet.py follow_all, Ctrl-C, the end of
+each run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import os
 import signal
 import sys
 import threading
-from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -16,7 +15,7 @@ import click
 from ..cli_common import err_console, report_error, safe
 from ..config.models import LoadedJob
 from ..diagnosis import render as render_diagnoses
-from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost
+from ..steps import fleet
 from ..steps import runs as steps
 from ..steps.outputs import final_line
 from ..steps.workspace import job_workspace
@@ -32,45 +31,33 @@ def run_workspace(conn: Connection, loaded: LoadedJob | None) -> str:
     return job_workspace(loaded.job if loaded else None, conn.host.workspace)
 
 
+class _View:
+    """Log lines on stdout, dfo's notes on stderr, and the commands that follow a run again."""
+
+    def __init__(self, ctx: click.Context, out: LogLines, run: str | None, job_path: str | None) -> None:
+        self.ctx, self.out, self.run, self.job_path = ctx, out, run, job_path
+        self.current: dict[str, str | None] = {}
+        self.line, self.note = out.line, out.note
+
+    def following(self, host: str, run: str | None) -> None:
+        self.current[host] = run
+
+    def resume(self, host: str, run: str | None = None) -> str:
+        the_run = run or self.current.get(host) or self.run
+        return dfo_cmd(self.ctx, "tail", host, *([the_run] if the_run else []), job_path=self.job_path)
+
+
 def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_follow: bool, start: int | str,
                  loaded: LoadedJob | None, job_path: str | None, quiet: bool = False
                  ) -> tuple[int, list[Outcome[steps.RunInfo]], dict[str, list[str]]]:
     """tail on every host of the session (its connections kept open): (exit code, outcome per host, the
     last lines seen per host). ``quiet``: the log lines are not printed (dfo's notes and the end of each
     run still go to stderr)."""
-    out = LogLines(len(sess.names) > 1, quiet=quiet)
-    current: dict[str, str | None] = {}
-    last: dict[str, deque[str]] = {h: deque(maxlen=RECAP_LINES) for h in sess.names}
-
-    def line(host: str) -> Callable[[str], None]:
-        show = out.line(host)
-
-        def on_line(text: str) -> None:
-            last[host].append(text)
-            show(text)
-        return on_line
-
-    def one(conn: Connection) -> steps.RunInfo:
-        ws, job = run_workspace(conn, loaded), loaded.job.name if loaded else None
-        current[conn.name] = the_run = run
-        if the_run is None:  # the newest run (of the job with -j): say which one is followed
-            newest = steps.status(conn, ws, job=job, limit=1)
-            if newest:
-                the_run = current[conn.name] = newest[0].id
-                among = f"of job {job}" if job else "of any job here (-j JOB: a job's newest)"
-                out.note(conn.name)(f"run {the_run} (job {newest[0].job or '?'}): the newest run {among}")
-        if no_follow:
-            return steps.read_lines(conn, ws, the_run, start, line(conn.name), job=job)
-        return steps.follow(conn, ws, run=the_run, job=job, lines=start, on_line=line(conn.name),
-                            on_note=out.note(conn.name))
-
-    def resume(host: str) -> str:
-        the_run = current.get(host) or run
-        return dfo_cmd(ctx, "tail", host, *([the_run] if the_run else []), job_path=job_path)
+    view = _View(ctx, LogLines(len(sess.names) > 1, quiet=quiet), run, job_path)
 
     def detached() -> None:
         for host in sess.names:
-            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running (resume: {safe(resume(host))})",
+            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running (resume: {safe(view.resume(host))})",
                               highlight=False, soft_wrap=True)
 
     def on_sigint(signum: int, frame: object) -> None:
@@ -87,20 +74,17 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
     if not no_follow and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        outcomes = sess.each(one)
+        followed = fleet.follow_all(sess, view, run=run, no_follow=no_follow, start=start, loaded=loaded,
+                                    keep=RECAP_LINES)
     except KeyboardInterrupt:
         detached()
         return 130, [], {}
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    code = 0
-    for o in outcomes:
+    for o in followed.outcomes:
         if o.error is not None:
-            if isinstance(o.error, ConnectionLost):
-                o.error.hint = f"the run is not affected; resume with: {resume(o.host)}"
             report_error(o.error)
-            code = max(code, o.error.exit_code)
             continue
         info: steps.RunInfo = o.value
         if no_follow:
@@ -115,8 +99,4 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
         if ended:  # how the run's last pass went (the follow ends only after it)
             err_console.print(f"dfo: {safe(o.host)}: " + (f"[red]{safe(ended[0])}[/]" if ended[1] else safe(ended[0])),
                               highlight=False, soft_wrap=True)
-        if info.state != "succeeded":
-            code = max(code, EXIT_RUN)
-        elif info.outputs_failed():
-            code = max(code, EXIT_VERIFY)
-    return code, outcomes, {h: list(v) for h, v in last.items()}
+    return followed.code, followed.outcomes, followed.last

@@ -19,10 +19,10 @@ import click
 from ..cli_common import console, err_console, safe
 from ..diagnosis import render as render_diagnoses
 from ..steps import runs as steps
+from ..steps.fleet import RECAP_LINES, recap  # noqa: F401 - re-exported
 from ..steps.outputs import summary_line
 
 STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
-RECAP_LINES = 10
 OUT = threading.Lock()  # one writer at a time: log lines and dfo's notes from several hosts
 
 
@@ -61,11 +61,6 @@ def dfo_cmd(ctx: click.Context, command: str, host: str, *args: str, job_path: s
 
 def state_markup(state: str) -> str:
     return f"[{STATE_STYLE.get(state, 'white')}]{safe(state)}[/]"
-
-
-def recap(info: steps.RunInfo, seen: list[str]) -> list[str]:
-    lines = info.tail or seen
-    return lines[-RECAP_LINES:]
 
 
 def how(info: steps.RunInfo) -> str:

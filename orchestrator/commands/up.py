@@ -3,7 +3,8 @@
 One HostSession for the whole chain: the inventory and the job are read once, every host gets one
 SSH connection, and each step runs on it (the agent upload included). Each step is the same library
 call and prints the same lines as its own command; ``--json`` gathers each step's per-host document
-(the one that command's ``--json`` prints) into one.
+(the one that command's ``--json`` prints) into one. The chain itself is steps/fleet.py ``up_chain``;
+this module shows it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-from pydantic import BaseModel
 
 from ..cli_common import (
     emit,
     err_console,
-    error_json,
-    exit_code_of,
     hosts_option,
     job_option,
     json_option,
@@ -29,49 +27,71 @@ from ..cli_common import (
     session,
 )
 from ..config.models import LoadedJob, load_job
-from ..errors import DfoError, UsageError
+from ..errors import DfoError
 from ..hosts import HostSession, Outcome
+from ..steps import fleet
+from ..steps.fleet import UpHost, UpReport  # noqa: F401 - re-exported: up --json's models
 from ..steps.gang import check_hosts, is_gang
-from ..steps.runs import status
-from ..steps.workspace import job_workspace
 from .data import render_transfer, run_transfer
 from .preflight import check_job
-from .provision import provision_json, render_provision, run_provision
-from .runs import Launched, detached_launch, launcher, prepare_gang
+from .provision import render_provision, run_provision
+from .runs import detached_launch, launcher, show_gang
 from .runs_follow import follow_hosts
-from .runs_view import RECAP_LINES
 
 
-class UpHost(BaseModel):
-    """One host's steps: each is that command's --json document for the host (null: not run)."""
+class _UpView:
+    """up as the terminal shows it: a banner per step, each step's own lines; under --json only stderr's."""
 
-    provision: dict[str, Any] | None = None
-    stage_model: dict[str, Any] | None = None
-    sync_data: dict[str, Any] | None = None
-    launch: dict[str, Any] | None = None  # null too when a live run of the job was followed instead
-    run: dict[str, Any] | None = None  # the run as it stands at the end: status's fields + last_lines
+    def __init__(self, ctx: click.Context, loaded: LoadedJob, job_path: str, as_json: bool) -> None:
+        self.ctx, self.loaded, self.job_path, self.quiet = ctx, loaded, job_path, as_json
 
+    def banner(self, step: str, note: str = "") -> None:
+        err_console.print(f"[bold cyan]==> {step}[/]" + (f" [dim]{safe(note)}[/]" if note else ""), highlight=False)
 
-class UpReport(BaseModel):
-    """`up --json`: every host's steps, the step the chain stopped at (null: none), the exit code."""
+    def provision(self, sess: HostSession) -> list[Outcome[Any]]:
+        outs = run_provision(sess, self.loaded, quiet=self.quiet)
+        if not self.quiet:
+            render_provision(outs)
+        return outs
 
-    hosts: dict[str, UpHost]
-    stopped_at: str | None = None
-    exit_code: int = 0
+    def transfer(self, sess: HostSession, what: str, request: dict[str, Any], command: str) -> list[Outcome[Any]]:
+        outs = run_transfer(sess, self.loaded, what, request, quiet=self.quiet)  # type: ignore[arg-type]
+        if not self.quiet:
+            render_transfer(outs, command)
+        return outs
 
+    def live_failed(self, failed: list[Outcome[Any]]) -> None:
+        if not self.quiet:
+            emit(failed, False, dict, lambda host, r: None)
 
-def _banner(step: str, note: str = "") -> None:
-    err_console.print(f"[bold cyan]==> {step}[/]" + (f" [dim]{note}[/]" if note else ""), highlight=False)
+    def stopped(self, step: str, code: int) -> None:
+        err_console.print(f"[red]up: stopped at {step} (exit {code})[/]", highlight=False)
 
+    def error(self, exc: DfoError) -> None:
+        report_error(exc)
 
-def live_runs(sess: HostSession, loaded: LoadedJob) -> list[Outcome[str | None]]:
-    """The job's live run on each host (its id, or None)."""
+    def launcher(self, names: list[str], gang: dict[str, Any], window: float
+                 ) -> tuple[Callable[[Any], fleet.Launched], Callable[[list[Outcome[fleet.Launched]]], None],
+                            Callable[[], None]]:
+        one, render, started = launcher(self.ctx, self.loaded, self.job_path, window=window, force=False,
+                                        quiet=self.quiet, multi=len(names) > 1, gang=gang)
 
-    def one(conn: Any) -> str | None:
-        runs = status(conn, job_workspace(loaded.job, conn.host.workspace), job=loaded.job.name, limit=5)
-        return next((r.id for r in runs if r.state == "running"), None)
+        def show(outs: list[Outcome[fleet.Launched]]) -> None:
+            if not self.quiet:
+                emit(outs, False, fleet.Launched.to_json, render)
 
-    return sess.each(one)
+        return one, show, lambda: detached_launch(self.ctx, started, self.job_path)
+
+    def gang_ready(self, plan: Any) -> None:
+        if not self.quiet:
+            show_gang(plan)
+
+    def follow(self, sess: HostSession, start: int | str) -> fleet.Followed | None:
+        code, outs, seen = follow_hosts(self.ctx, sess, run=None, no_follow=False, start=start, loaded=self.loaded,
+                                        job_path=self.job_path, quiet=self.quiet)
+        if code == 130 and not outs:
+            return None
+        return fleet.Followed(code, outs, seen, {})
 
 
 @click.command("up")
@@ -119,7 +139,8 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     report = UpReport(hosts={n: UpHost() for n in sess.names})
     t0 = time.monotonic()
     with sess:
-        code = _chain(ctx, sess, loaded, job_path, requests, no_tail, as_json, report)
+        code = fleet.up_chain(sess, loaded, requests, _UpView(ctx, loaded, job_path, as_json), no_tail=no_tail,
+                              report=report)
     if code is None:  # the run was followed to its end
         code = report.exit_code
         err_console.print(f"up: finished in {time.monotonic() - t0:.0f}s (exit {code})", highlight=False)
@@ -127,107 +148,6 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     if as_json:
         print_json(report.model_dump(by_alias=True))
     return code
-
-
-def _record(report: UpReport, step: str, outcomes: list[Outcome[Any]], to_json: Callable[[Any], dict[str, Any]]
-            ) -> int:
-    for o in outcomes:
-        setattr(report.hosts[o.host], step, error_json(o.error) if o.error is not None else to_json(o.value))
-    return exit_code_of(outcomes)
-
-
-def _stopped(report: UpReport, step: str, code: int) -> int:
-    err_console.print(f"[red]up: stopped at {step} (exit {code})[/]", highlight=False)
-    report.stopped_at = step
-    return code
-
-
-def _chain(ctx: click.Context, sess: HostSession, loaded: LoadedJob, job_path: str,
-           requests: dict[str, dict[str, Any]], no_tail: bool, as_json: bool, report: UpReport) -> int | None:
-    """The steps in order on the session's connections; an exit code, or None when tail ran to the end
-    (its code is then in report.exit_code)."""
-    job = loaded.job
-    _banner("provision")
-    outs = run_provision(sess, loaded, quiet=as_json)
-    if not as_json:
-        render_provision(outs)
-    for o in outs:
-        report.hosts[o.host].provision = provision_json(o)  # a failed host's too, as provision --json has it
-    code = exit_code_of(outs)
-    if code:
-        return _stopped(report, "provision", code)
-    for what, step, command in (("model", "stage_model", "stage-model"), ("data", "sync_data", "sync-data")):
-        if what not in requests:
-            continue
-        _banner(command)
-        outs = run_transfer(sess, loaded, what, requests[what], quiet=as_json)  # type: ignore[arg-type]
-        if not as_json:
-            render_transfer(outs, command)
-        code = _record(report, step, outs, lambda r: r.model_dump(by_alias=True))
-        if code:
-            return _stopped(report, command, code)
-    if job.run is None:
-        _banner("launch", "skipped: the job has no run: section")
-        return 0
-    live = live_runs(sess, loaded)
-    failed = [o for o in live if o.error is not None]
-    if failed:  # could not look for a live run: nothing is launched
-        if not as_json:
-            emit(failed, False, dict, lambda host, r: None)
-        return _stopped(report, "launch", _record(report, "launch", failed, dict))
-    running = {o.host: o.value for o in live if o.value}
-    todo = [h for h in sess.names if h not in running]
-    for host, run_id in running.items():
-        _banner("launch", f"{safe(host)}: run {safe(run_id)} of {safe(job.name)} is already running; following it")
-        report.hosts[host].run = {"id": run_id, "state": "running"}
-    if todo:
-        _banner("launch")
-        # no watch window here: tail below shows the run from its first line (each line once)
-        window = job.run.wait if no_tail else 0.0
-        gang: dict[str, Any] = {}
-        one, render, started = launcher(ctx, loaded, job_path, window=window, force=False, quiet=as_json,
-                                        multi=len(todo) > 1, gang=gang)
-        try:
-            if running and is_gang(job):  # a gang starts on every node at once, or not at all
-                raise UsageError(f"job {job.name}: a gang, and only some of its nodes run it "
-                                 f"({', '.join(running)}): stop those runs first (dfo stop -H HOST RUN)")
-            prepare_gang(sess, loaded, gang, quiet=as_json)
-        except DfoError as exc:
-            report_error(exc)
-            for host in todo:
-                report.hosts[host].launch = error_json(exc)
-            return _stopped(report, "launch", exc.exit_code)
-        try:
-            outs = sess.each(one, names=todo)
-        except KeyboardInterrupt:
-            detached_launch(ctx, started, job_path)
-            return 130
-        if not as_json:
-            emit(outs, False, Launched.to_json, render)
-        code = _record(report, "launch", outs, Launched.to_json)
-        for o in outs:
-            if o.value is not None:
-                report.hosts[o.host].run = _run_doc(o.value.final, o.value.seen)
-        if code:
-            return _stopped(report, "launch", code)
-    if no_tail:
-        return 0
-    _banner("tail", "Ctrl-C detaches; the run goes on")
-    # a new run is shown from its first byte; a run that was already going, from its last lines
-    start: int | str = "+0" if not running else 10
-    code, outs, seen = follow_hosts(ctx, sess, run=None, no_follow=False, start=start, loaded=loaded, job_path=job_path,
-                              quiet=as_json)
-    if code == 130 and not outs:
-        return 130
-    for o in outs:
-        report.hosts[o.host].run = error_json(o.error) if o.error is not None else _run_doc(o.value, seen.get(o.host, []))
-    report.exit_code = code
-    return None
-
-
-def _run_doc(info: Any, seen: list[str]) -> dict[str, Any]:
-    """The run as it stands: status's fields for it, and its last lines."""
-    return {**info.brief().model_dump(by_alias=True), "last_lines": (info.tail or seen or [])[-RECAP_LINES:]}
 
 
 COMMANDS = [up_cmd]

@@ -21,6 +21,7 @@ from remote.lib.redact import redact, redact_obj
 from ..agent import NODE, run_module
 from ..config.models import Job, LoadedJob
 from ..errors import EXIT_OK, DfoError
+from ..hosts import Outcome
 from ..transport.ssh import Connection
 
 INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
@@ -124,3 +125,10 @@ def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
             "found": failed.get("after"), "message": message, "step": failed.get("name")}
     rest = [p for p in rep.get("problems") or [] if p.get("message") not in message]
     return [head] + rest
+
+
+def provision_json(o: Outcome[ProvisionReport]) -> dict[str, Any]:
+    """One host's --json document: the report's own serialisation (a failure too)."""
+    r = o.value if o.error is None else ProvisionReport.failed(o.host, o.error)
+    assert r is not None
+    return r.model_dump(by_alias=True)
