@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from orchestrator.commands.demo import DEFAULT_WHEELS
+from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed
 
 pytestmark = pytest.mark.testbed

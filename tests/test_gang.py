@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.commands.demo import DEFAULT_WHEELS
 from orchestrator.demo.data import write_data, write_model
+from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed
 from tests._runs_fixtures import dfo, inventory_copy
 from tests.conftest import start_testbed

@@ -25,8 +25,8 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
-from orchestrator.commands.demo import DEFAULT_WHEELS
 from orchestrator.demo.data import write_data, write_model
+from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed, TestbedError
 from orchestrator.testbed import system as tsys
 

@@ -135,7 +135,7 @@ INSTALLED = """
 import json, os, sys
 from pathlib import Path
 import orchestrator, remote
-from orchestrator.commands import demo
+from orchestrator.demo import setup as demo
 from orchestrator.config.models import load_job
 from orchestrator.testbed.node import PROJECT_ROOT, hidden_paths
 out = Path(sys.argv[1])

@@ -2,60 +2,24 @@
 
 from __future__ import annotations
 
-import io
 import os
 import shlex
 import shutil
 import signal
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import click
-import yaml
 from rich.markup import escape
 
 from remote.lib.fsutil import human_bytes
 
 from ..cli_common import err_console
 from ..demo.data import write_data, write_model
-from ..errors import ConfigError, HostError
+from ..demo.setup import DEFAULT_WHEELS, demo_job, disk_usage, upload_wheels, wheels_hint
+from ..errors import ConfigError
 from .up import up_cmd
-
-# the demo's job and trainer: package data, so the demo runs from an installed wheel as from a checkout
-DEMO_JOB = Path(__file__).resolve().parents[1] / "demo" / "job" / "demo.yaml"
-CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-
-
-def checkout() -> Path | None:
-    """The git checkout dfo runs from (an editable install), or None (installed from a wheel)."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
-
-
-def default_wheels() -> Path:
-    """The checkout's .cache/demo-wheels (`bash .ci/setup --demo` fills it); without a checkout,
-    $XDG_CACHE_HOME/dfo/demo-wheels (~/.cache/dfo/demo-wheels)."""
-    root = checkout()
-    if root is not None:
-        return root / ".cache" / "demo-wheels"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "demo-wheels"
-
-
-DEFAULT_WHEELS = default_wheels()
-
-
-def wheels_hint(wheels: Path) -> str:
-    """What to do about a wheel folder without torch: the checkout's setup, or a pip download."""
-    if checkout() is not None and wheels == DEFAULT_WHEELS:
-        return "run: bash .ci/setup --demo (it fills .cache/demo-wheels)"
-    torch = next(p for p in yaml.safe_load(DEMO_JOB.read_text())["packages"] if p.startswith("torch"))
-    spec = shlex.quote(torch + "+cpu" if "==" in torch else torch)  # the CPU build: PyPI's is CUDA, GBs
-    py = shutil.which("python3", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") or "python3"
-    return (f"fill it for the python3 that the node runs (root's {py} on this machine): {py} -m pip "
-            f"download --only-binary=:all: --extra-index-url {CPU_INDEX} -d {shlex.quote(str(wheels))} {spec} "
-            "numpy uv; or name another folder with --wheels")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -66,43 +30,9 @@ def _say(msg: str) -> None:
     err_console.print(f"[bold magenta]demo:[/] {msg}", highlight=False, soft_wrap=True)
 
 
-def _upload_wheels(tb: object, node: object, wheels: Path) -> None:
-    """Copy the wheel folder onto the node over SSH (the node has no package index)."""
-    import subprocess
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for p in sorted(wheels.glob("*.whl")):
-            tar.add(p, arcname=p.name)
-    argv = tb.ssh_argv(node, "rm -rf /root/dfo-wheels && mkdir -p /root/dfo-wheels && tar -xf - -C /root/dfo-wheels")  # type: ignore[attr-defined]
-    r = subprocess.run(argv, input=buf.getvalue(), capture_output=True, timeout=300)
-    if r.returncode != 0:
-        raise HostError(f"could not copy the demo's wheels to the node: {r.stderr.decode()[-300:]}")
-
-
-def _size(folder: Path) -> tuple[int, int]:
-    """(disk space used, files) under folder, like du: sparse files count what they hold, hard links
-    once (uv links the node's venv to its cache), symlinks are not followed."""
-    total = count = 0
-    seen: set[tuple[int, int]] = set()
-    for dirpath, _dirs, files in os.walk(folder):
-        for f in files:
-            count += 1
-            try:
-                st = os.lstat(os.path.join(dirpath, f))
-            except OSError:
-                continue
-            if st.st_nlink > 1:
-                if (st.st_dev, st.st_ino) in seen:
-                    continue
-                seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512
-    return total, count
-
-
 def _clean_up(wd: Path, made_here: bool, why: str) -> None:
     """Remove the demo's folder if the demo made it; otherwise say what stays there and how to remove it."""
-    used, files = _size(wd) if wd.is_dir() else (0, 0)
+    used, files = disk_usage(wd) if wd.is_dir() else (0, 0)
     size = human_bytes(used)
     rm = escape(f"rm -rf {shlex.quote(str(wd))}")
     if made_here:
@@ -116,18 +46,6 @@ def _clean_up(wd: Path, made_here: bool, why: str) -> None:
     _say(f"kept {escape(str(wd))} ({why}): {size}: the node's /root (its venv, the wheels) and /workspace, "
          "the testbed's private key (id_ed25519), the S3 server's data and keys (s3/, s3.env with --keep), "
          f"inventory.yaml and demo.yaml. Remove it with: {rm}")
-
-
-def demo_job(workdir: Path, endpoint: str, steps: int) -> Path:
-    """The demo's job (DEMO_JOB) with the throwaway endpoint filled in, written beside the testbed."""
-    src = DEMO_JOB
-    doc = yaml.safe_load(src.read_text())
-    doc["s3"]["endpoint_url"] = endpoint
-    doc["run"]["upload"] = [str((src.parent / u).resolve()) for u in doc["run"]["upload"]]
-    doc["run"]["command"] = doc["run"]["command"].replace("--max-steps 200", f"--max-steps {steps}")
-    out = workdir / "demo.yaml"
-    out.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return out
 
 
 @click.command("demo")
@@ -179,7 +97,7 @@ def demo_cmd(ctx: click.Context, keep: bool, wheels: Path, steps: int, workdir: 
         tb.s3.put_tree("demo", "models/demo-target", src / "model")
         tb.s3.put_tree("demo", "tokenized", src / "data")
         _say(f"bucket s3://demo: a {mbytes / 2**20:.1f} MiB target model and {ntok} tokens in 4 shards")
-        _upload_wheels(tb, node, wheels)
+        upload_wheels(tb, node, wheels)
         job = demo_job(wd, tb.s3.url, steps)
         # the controller's credential chain (environment) finds the endpoint's keys; they reach
         # the node on stdin only
