@@ -1,4 +1,5 @@
-"""Runs on the node: launch (detached), status, read, follow, stop (python3 3.8+, stdlib only).
+"""Runs on the node: launch (detached), status, read, follow, stop; a run's outputs, ship, look (python3 3.8+,
+stdlib only).
 
 Each run has a directory ``<workspace>/.dfo/runs/<run-id>/`` holding meta.json (written by the
 supervisor once the trainer started), log (the trainer's stdout+stderr), end.json (how it ended),
