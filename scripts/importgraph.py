@@ -273,15 +273,15 @@ def text(g: Graph) -> str:
 
 def dot(g: Graph, packages: bool) -> str:
     adj = g.adjacency()
-    in_circle = {m for c in circles(adj) for m in c}
+    circle_of = {m: i for i, c in enumerate(circles(adj)) for m in c}
     up = {(e.src, e.dst) for e in upward(g)}
     node = collapse if packages else (lambda m: m)
     edges: dict[tuple[str, str], set[str]] = {}
     for e in g.edges:
         a, b = node(e.src), node(e.dst)
         if a != b:
-            edges.setdefault((a, b), set()).add("up" if (e.src, e.dst) in up else
-                                                "circle" if e.src in in_circle and e.dst in in_circle else e.kind)
+            same = e.src in circle_of and circle_of[e.src] == circle_of.get(e.dst)
+            edges.setdefault((a, b), set()).add("up" if (e.src, e.dst) in up else "circle" if same else e.kind)
     names = sorted({node(m) for m in g.modules})
     out = ["digraph dfo {", '  rankdir=TB; ranksep=0.5; nodesep=0.2;',
            '  node [shape=box, fontname="Helvetica", fontsize=10];', '  edge [color="#777777", arrowsize=0.6];']
@@ -292,15 +292,15 @@ def dot(g: Graph, packages: bool) -> str:
     for lay, members in by_layer.items():
         out.append(f'  subgraph "cluster_{lay}" {{ label="{lay}"; style=rounded; color="#bbbbbb";')
         for n in members:
-            circ = any(m in in_circle for m in g.modules if node(m) == n)
-            out.append(f'    "{n}"' + (' [color=red, fontcolor=red]' if circ and not packages else "") + ";")
+            circ = any(m in circle_of for m in g.modules if node(m) == n)
+            out.append(f'    "{n}"' + (' [color=red, fontcolor=red]' if circ else "") + ";")
         out.append("  }")
     for (a, b), kinds in sorted(edges.items()):
         attrs = []
         if "up" in kinds:
             attrs.append('color=red, penwidth=2, label="up"')
-        elif "circle" in kinds and not packages:
-            attrs.append("color=red")
+        elif "circle" in kinds:
+            attrs.append('color=red, penwidth=1.5')
         if kinds <= {"lazy", "typing"}:
             attrs.append("style=dashed")
         out.append(f'  "{a}" -> "{b}"' + (f" [{', '.join(attrs)}]" if attrs else "") + ";")
