@@ -90,6 +90,7 @@ MOVES: list[tuple[str, str]] = [
     ("remote/gang.py", "remote/gang/ops.py"),
     ("remote/gangwatch.py", "remote/gang/watch.py"),
     ("remote/gangwire.py", "remote/gang/wire.py"),
+    ("remote/gangdoor.py", "remote/gang/door.py"),  # added on main after the move was planned
     ("remote/fleetexec.py", "remote/exec.py"),
     # orchestrator/transport: how a node is reached
     ("orchestrator/transport.py", "orchestrator/transport/base.py"),
@@ -300,12 +301,41 @@ def init_names(pkg: str) -> set[str]:
                         names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
                 elif isinstance(node, (ast.Import, ast.ImportFrom)):
                     names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-                elif isinstance(node, (ast.If, ast.Try)):
+                elif isinstance(node, ast.Try) or (isinstance(node, ast.If) and not _is_type_checking(node.test)):
                     for sub in ast.walk(node):
                         if isinstance(sub, (ast.Import, ast.ImportFrom)):
                             names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
         _INIT_NAMES[pkg] = names
     return _INIT_NAMES[pkg]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def defined_names(mod: str) -> set[str]:
+    """Names a module (a .py file, or a package's __init__.py) binds at its top level."""
+    if mod not in _INIT_NAMES:
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        if path.is_file():
+            _INIT_NAMES[mod] = set()
+            try:
+                tree = ast.parse(path.read_text())
+            except SyntaxError:
+                return set()
+            names = _INIT_NAMES[mod]
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        else:
+            return init_names(mod)
+    return _INIT_NAMES[mod]
 
 
 def is_package(mod: str) -> bool:
@@ -331,8 +361,12 @@ def map_from(base: str, names: list[tuple[str, str | None]],
             nb, _, nn = OLD2NEW[full].rpartition(".")
             local = alias or name
             groups.setdefault(nb, []).append((nn, local if local != nn else None))
-        elif full in mods or (is_package(base) and name in init_names(base)):
+        elif full in mods:
             groups.setdefault(base, []).append((name, alias))
+        elif base in OLD2NEW and OLD2NEW[base] != base and name in defined_names(OLD2NEW[base]):
+            groups.setdefault(OLD2NEW[base], []).append((name, alias))  # the old module's name, where it is now
+        elif is_package(base) and name in init_names(base):
+            groups.setdefault(base, []).append((name, alias))  # moved into the package's __init__ since
         elif base in OLD2NEW:  # a name of a moved module (remote.runs.describe -> remote.runs.ops)
             groups.setdefault(OLD2NEW[base], []).append((name, alias))
         else:
@@ -447,7 +481,7 @@ def _dotted_rules(mods: set[str]) -> list[tuple[re.Pattern[str], object]]:
         if old in mods:  # the old name is now a package (remote.runs): only ``old.attr`` moves
             def sub(m: re.Match[str], old: str = old, new: str = new) -> str:
                 attr = m.group(1)
-                keep = f"{old}.{attr}" in mods or attr in init_names(old)
+                keep = f"{old}.{attr}" in mods or (attr in init_names(old) and attr not in defined_names(new))
                 return m.group(0) if keep else f"{new}.{attr}"
             rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}\.(\w+)"), sub))
         else:
