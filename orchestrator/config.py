@@ -401,7 +401,7 @@ class LoadedJob(BaseModel):
     def need(self, section: str) -> object:
         value = getattr(self.job, section)
         if value is None:
-            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see the README's job file reference")
+            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see docs/configuration.md, Job files")
         return value
 
 

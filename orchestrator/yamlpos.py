@@ -42,7 +42,7 @@ def line_in_file(path: Path, loc: tuple[Any, ...]) -> int:
 def _describe(err: dict[str, Any]) -> str:
     msg = err.get("msg", "invalid")
     if err.get("type") == "extra_forbidden":
-        return "unknown field (check the spelling; see the README's file reference)"
+        return "unknown field (check the spelling; see docs/configuration.md)"
     if err.get("type") == "missing":
         return "field required"
     if err.get("type") in {"int_parsing", "int_type"}:

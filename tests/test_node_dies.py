@@ -161,7 +161,7 @@ def _shipped_files(doc: Any) -> int | None:
 
 
 class Story:
-    """Runs dfo commands and keeps a transcript (the README's "When a node dies" is made from it)."""
+    """Runs dfo commands and keeps a transcript (docs/recovery.md, "When a node dies", is made from it)."""
 
     def __init__(self, cwd: Path, env: dict[str, str], out: Path) -> None:
         self.cwd, self.env, self.out = cwd, env, out  # cwd holds inventory.yaml (dfo's default) and the job
