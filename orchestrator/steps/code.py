@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from .codetree import (
     LocalFile,
     Pushed,
+    Reader,
     cached_tree_digest,
     fill_hashes,
     list_code,
@@ -170,16 +171,24 @@ def node_key(conn: Connection, dest: str) -> str:
 
 
 def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], bytes]:
+    """The entries and the bytes of the files to send, each read without following a symlink on its
+    path (codetree.Reader: a folder swapped for a link since the listing is refused, never read)."""
     entries, chunks = [], []
-    for rel in to_send:
-        f = local.files[rel]
-        if f.link is not None:
-            entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
-            continue
-        data = (local.source / rel).read_bytes()
-        sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
-        entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
-        chunks.append(data)
+    reader: Reader | None = None
+    try:
+        for rel in to_send:
+            f = local.files[rel]
+            if f.link is not None:
+                entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
+                continue
+            reader = reader or Reader(local.source)
+            data = reader.read_bytes(f.via or rel)
+            sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
+            entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
+            chunks.append(data)
+    finally:
+        if reader is not None:
+            reader.close()
     return entries, b"".join(chunks)
 
 
