@@ -177,7 +177,8 @@ def _start_gang_watch(run_dir, spec, proc, meta):
     watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
                       silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
-                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None)
+                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None,
+                      peer=gang.get("peer"))  # rank 0 listens on its gang address only (or toward the peer)
     box.append(watch)
     try:
         watch.start()

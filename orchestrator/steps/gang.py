@@ -291,8 +291,10 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     def check(conn: Any) -> Any:
         node = plan.node(conn.host.name)
         if node.rank == 0:
+            # the watch port listens where the gang watch will: rank 0's gang address only
             req = {"op": "listen", "ports": ports, "token": token, "expect": len(plan.nodes) - 1,
-                   "window": CHECK_WINDOW_S}
+                   "window": CHECK_WINDOW_S, "bind": {"ports": [plan.watch_port], "address": plan.master.address,
+                                                      "peer": plan.nodes[1].address}}
         else:
             req = {"op": "connect", "address": plan.master.address, "ports": ports, "token": token,
                    "rank": node.rank, "window": CHECK_WINDOW_S - 2}

@@ -289,7 +289,8 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
         node = gang.node(conn.host.name)
         req["command"] = node.command
         req["env"] = {**plain, **node.env}  # the gang's ranks and addresses win over run.env
-        peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if node.gloo_ifname else None
+        # the peer: for gloo's interface, and where rank 0's watch listens when its gang address is NAT'd
+        peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if len(gang.nodes) > 1 else None
         req["gang"] = {"rank": node.rank, "hosts": [n.host for n in gang.nodes], "hub": gang.master.address,
                        "port": gang.watch_port, "secret": gang.secret, "gloo_ifname": node.gloo_ifname,
                        "address": node.address, "peer": peer}
