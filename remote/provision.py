@@ -36,11 +36,13 @@ The record of the run is written (temp + rename, mode 0600) to ``<workspace>/.df
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
 import time
+from typing import Callable
 
 from remote._proto import RemoteError, emit_event, main
 from remote.fsutil import human_bytes
@@ -93,7 +95,7 @@ class Provision:
         self.started, self.t0 = now_iso(), time.time()
 
     # ------------------------------------------------------------------ plumbing
-    def step(self, name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    def step(self, name: str, fn: Callable[[], dict]) -> None:
         start = time.time()
         try:
             rep = fn()
@@ -256,12 +258,12 @@ class Provision:
                              **info)
         others = self.relevant(k, after_state)
         if others:
-            pins = any(p["kind"] == "requirement" for p in others)
+            breaks_pin = any(p["kind"] == "requirement" for p in others)
             was = set(p["message"] for p in old_state["problems"])
             said = "; ".join(p["message"] + (" (already so before this step)" if p["message"] in was else "")
                              for p in others[:3])
             raise StepFailed("after installing %s: %s; %s" % (line, said, state),
-                             hint=("if this break is deliberate, add it to overrides: with a reason" if pins
+                             hint=("if this break is deliberate, add it to overrides: with a reason" if breaks_pin
                                    else "the installer said: " + _last_lines(runs[-1]["output_tail"])), **info)
         warns = self.new_warnings(old_state["warnings"], after_state["warnings"])
         if before.get(key) == after.get(key):
@@ -398,7 +400,7 @@ def _provision(p: Provision, req: dict) -> dict:
         p.step("venv", p.step_venv)
         p.step("installer", p.step_installer)
         for k, line in enumerate(p.lines):
-            p.step(line, lambda k=k: p.step_package(k))
+            p.step(line, functools.partial(p.step_package, k))
         if p.overrides:
             p.step("overrides", p.step_overrides)
         if req.get("clear_triton_cache"):

@@ -181,6 +181,7 @@ def _start(req, run_id, run_dir, uploads):
     finally:
         os.close(w)
         os.close(log_fd)
+    assert sup.stdin is not None  # PIPE
     try:
         sup.stdin.write(spec.encode())
         sup.stdin.close()

@@ -16,6 +16,7 @@ import errno
 import hashlib
 import os
 import threading
+from typing import Any, Deque, Tuple
 
 from remote import s3verify
 from remote._proto import RemoteError
@@ -59,7 +60,7 @@ class Tasks:
 
     def __init__(self):
         self.cv = threading.Condition()
-        self.items = collections.deque()
+        self.items: Deque[Tuple[Any, Any]] = collections.deque()  # (object, "prepare" | part | None)
         self.producers = 0
 
     def put(self, item, producer=False):
