@@ -22,7 +22,6 @@ from typing import Any
 import remote
 from remote._proto import RESULT_PREFIX, split_frame
 
-from .connection import Connection, Result
 from .errors import (
     AgentMissing,
     ConfigError,
@@ -33,6 +32,7 @@ from .errors import (
     RunFailed,
     VerifyError,
 )
+from .transport import Result, Transport
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
 NEED_UPLOAD = 97
@@ -76,7 +76,7 @@ def agent_dir_expr(digest: str) -> str:
     return f'"$HOME/.cache/dfo/agent/{digest}"'
 
 
-def upload_agent(conn: Connection) -> None:
+def upload_agent(conn: Transport) -> None:
     digest, data = bundle()
     d = agent_dir_expr(digest)
     cmd = (
@@ -123,7 +123,7 @@ def plain_tail(text: str, limit: int = 400) -> str:
     return " | ".join(ln.strip() for ln in text.splitlines() if ln.strip())[-limit:]
 
 
-def parse_output(conn: Connection, res: Result, module: str) -> Any:
+def parse_output(conn: Transport, res: Result, module: str) -> Any:
     """The data of the module's result frame (found wherever it starts in its line), or its error raised."""
     for line in reversed(res.stdout.split("\n")):
         frame = split_frame(line)
@@ -152,7 +152,7 @@ _NO_RESULT_HINT = ("if a login file on the node (~/.bashrc, /etc/bash.bashrc) re
 
 
 def run_module(
-    conn: Connection,
+    conn: Transport,
     module: str,
     request: dict[str, Any] | None = None,
     *,

@@ -43,7 +43,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def load_command(name: str) -> click.Command:
     """The click command `name`, importing its module now."""
     module, attr, _ = COMMANDS[name]
-    return getattr(importlib.import_module(f"orchestrator.commands.{module}"), attr)  # type: ignore[no-any-return]
+    command: click.Command = getattr(importlib.import_module(f"orchestrator.commands.{module}"), attr)
+    return command
 
 
 class DfoGroup(click.Group):

@@ -23,8 +23,8 @@ from ..cli_common import (
     session,
 )
 from ..config import LoadedJob, load_job
-from ..connection import Connection
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, transfer
+from ..transport import Transport
 from .report_view import print_moved, print_names
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def run_transfer(s: HostSession, loaded: LoadedJob, what: What, request: dict[st
     """The transfer on every host of the session, on its one connection (a progress bar on a terminal
     unless ``quiet``); ``on_done(outcome)`` as each host finishes (HostSession.each)."""
     with ProgressView(console, enabled=not quiet) as view:
-        def one(conn: Connection) -> TransferReport:
+        def one(conn: Transport) -> TransferReport:
             return transfer(conn, loaded, what, request, on_event=view.callback(conn.name))
 
         return s.each(one, on_done=on_done)

@@ -10,8 +10,8 @@ import click
 from ..cli_common import hosts_option, job_option, json_option, session
 
 if TYPE_CHECKING:
-    from ..connection import Connection
     from ..steps.outputs import OutputsReport, ShipReport
+    from ..transport import Transport
 
 _OUT = threading.Lock()
 
@@ -139,7 +139,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
     notes = LogLines(len(sess.names) > 1, quiet=True)
     job = loaded.job.name if loaded else None
 
-    def one(conn: Connection) -> Any:
+    def one(conn: Transport) -> Any:
         ws = run_workspace(conn, loaded)
         info = steps.outputs(conn, ws, run, job)
         if run is None:
@@ -161,7 +161,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
         outcomes = sess.each(one)
     if ship:
         code = emit(outcomes, as_json, lambda r: r.model_dump(), render_ship)
-        failed = any(o.error is None and not o.value.ok for o in outcomes)
+        failed = any(o.error is None and o.value is not None and not o.value.ok for o in outcomes)
         return max(code, EXIT_VERIFY if failed else 0)
     return emit(outcomes, as_json, lambda r: r.model_dump(), render_outputs)
 

@@ -25,12 +25,12 @@ from ..cli_common import (
     session,
 )
 from ..config import LoadedJob, RunConfig, load_job
-from ..connection import Connection
 from ..diagnosis import render as render_diagnoses
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
 from ..steps import runs as steps
 from ..steps.gang import check_hosts, is_gang
 from ..steps.outputs import final_line as outputs_final
+from ..transport import Transport
 from .runs_follow import follow_hosts
 from .runs_follow import run_workspace as _workspace
 from .runs_gang import gang_line, gang_summary
@@ -173,7 +173,7 @@ def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_p
 
 
 def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
-             multi: bool, gang: dict[str, Any] | None = None) -> tuple[Callable[[Connection], Launched], Callable[[str, Launched], None],
+             multi: bool, gang: dict[str, Any] | None = None) -> tuple[Callable[[Transport], Launched], Callable[[str, Launched], None],
                                    dict[str, steps.RunInfo]]:
     """(launch on one connection, render one host's result, the runs started so far by host).
     ``gang``: filled with {"plan": GangPlan} before the launch when the job is a gang's."""
@@ -185,7 +185,7 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
     def cmd(command: str, host: str, run_id: str) -> str:
         return dfo_cmd(ctx, command, host, run_id, job_path=job_path)
 
-    def one(conn: Connection) -> Launched:
+    def one(conn: Transport) -> Launched:
         try:
             # a restore shows a progress bar on a terminal (one host: several bars would fight over it)
             from ..steps.transfer import ProgressView
@@ -336,7 +336,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
-    def one(conn: Connection) -> list[steps.RunInfo]:
+    def one(conn: Transport) -> list[steps.RunInfo]:
         return steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
                             limit=limit)
 
@@ -387,7 +387,7 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
-    def one(conn: Connection) -> steps.RunInfo:
+    def one(conn: Transport) -> steps.RunInfo:
         return steps.stop(conn, _workspace(conn, loaded), run, grace, job=loaded.job.name if loaded else None,
                           outputs_wait=outputs_wait)
 

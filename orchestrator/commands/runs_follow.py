@@ -22,11 +22,11 @@ from ..steps.outputs import final_line
 from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
-    from ..connection import Connection
     from ..hosts import HostSession, Outcome
+    from ..transport import Transport
 
 
-def run_workspace(conn: Connection, loaded: LoadedJob | None) -> str:
+def run_workspace(conn: Transport, loaded: LoadedJob | None) -> str:
     """Where the runs are: the job's workspace, else the host's."""
     return steps.job_workspace(loaded.job if loaded else None, conn.host.workspace)
 
@@ -49,7 +49,7 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
             show(text)
         return on_line
 
-    def one(conn: Connection) -> steps.RunInfo:
+    def one(conn: Transport) -> steps.RunInfo:
         ws, job = run_workspace(conn, loaded), loaded.job.name if loaded else None
         current[conn.name] = the_run = run
         if the_run is None:  # the newest run (of the job with -j): say which one is followed
@@ -101,7 +101,8 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
             report_error(o.error)
             code = max(code, o.error.exit_code)
             continue
-        info: steps.RunInfo = o.value
+        info = o.value
+        assert info is not None  # no error: one() returned it
         if no_follow:
             err_console.print(f"dfo: {safe(o.host)}: run {safe(info.id)}: {safe(info.state)}", highlight=False,
                               soft_wrap=True)

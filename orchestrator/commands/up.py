@@ -33,6 +33,7 @@ from ..errors import DfoError, UsageError
 from ..hosts import HostSession, Outcome
 from ..steps.gang import check_hosts, is_gang
 from ..steps.runs import job_workspace, status
+from ..steps.transfer import What
 from .data import render_transfer, run_transfer
 from .preflight import check_job
 from .provision import provision_json, render_provision, run_provision
@@ -155,14 +156,16 @@ def _chain(ctx: click.Context, sess: HostSession, loaded: LoadedJob, job_path: s
     code = exit_code_of(outs)
     if code:
         return _stopped(report, "provision", code)
-    for what, step, command in (("model", "stage_model", "stage-model"), ("data", "sync_data", "sync-data")):
+    stages: tuple[tuple[What, str, str], ...] = (("model", "stage_model", "stage-model"),
+                                                 ("data", "sync_data", "sync-data"))
+    for what, step, command in stages:
         if what not in requests:
             continue
         _banner(command)
-        outs = run_transfer(sess, loaded, what, requests[what], quiet=as_json)  # type: ignore[arg-type]
+        moved = run_transfer(sess, loaded, what, requests[what], quiet=as_json)
         if not as_json:
-            render_transfer(outs, command)
-        code = _record(report, step, outs, lambda r: r.model_dump(by_alias=True))
+            render_transfer(moved, command)
+        code = _record(report, step, moved, lambda r: r.model_dump(by_alias=True))
         if code:
             return _stopped(report, command, code)
     if job.run is None:
@@ -197,16 +200,16 @@ def _chain(ctx: click.Context, sess: HostSession, loaded: LoadedJob, job_path: s
                 report.hosts[host].launch = error_json(exc)
             return _stopped(report, "launch", exc.exit_code)
         try:
-            outs = sess.each(one, names=todo)
+            launched = sess.each(one, names=todo)
         except KeyboardInterrupt:
             detached_launch(ctx, started, job_path)
             return 130
         if not as_json:
-            emit(outs, False, Launched.to_json, render)
-        code = _record(report, "launch", outs, Launched.to_json)
-        for o in outs:
-            if o.value is not None:
-                report.hosts[o.host].run = _run_doc(o.value.final, o.value.seen)
+            emit(launched, False, Launched.to_json, render)
+        code = _record(report, "launch", launched, Launched.to_json)
+        for lo in launched:
+            if lo.value is not None:
+                report.hosts[lo.host].run = _run_doc(lo.value.final, lo.value.seen)
         if code:
             return _stopped(report, "launch", code)
     if no_tail:
@@ -214,12 +217,13 @@ def _chain(ctx: click.Context, sess: HostSession, loaded: LoadedJob, job_path: s
     _banner("tail", "Ctrl-C detaches; the run goes on")
     # a new run is shown from its first byte; a run that was already going, from its last lines
     start: int | str = "+0" if not running else 10
-    code, outs, seen = follow_hosts(ctx, sess, run=None, no_follow=False, start=start, loaded=loaded, job_path=job_path,
-                              quiet=as_json)
-    if code == 130 and not outs:
+    code, followed, seen = follow_hosts(ctx, sess, run=None, no_follow=False, start=start, loaded=loaded,
+                                        job_path=job_path, quiet=as_json)
+    if code == 130 and not followed:
         return 130
-    for o in outs:
-        report.hosts[o.host].run = error_json(o.error) if o.error is not None else _run_doc(o.value, seen.get(o.host, []))
+    for fo in followed:
+        report.hosts[fo.host].run = (error_json(fo.error) if fo.error is not None
+                                     else _run_doc(fo.value, seen.get(fo.host, [])))
     report.exit_code = code
     return None
 

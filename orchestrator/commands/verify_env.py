@@ -47,9 +47,9 @@ def render(host: str, r: VerifyReport) -> None:
     if f.venv_python:
         row("job python", f.venv_python + ("" if f.venv_python_exists else " (missing)"))
     if r.provision:
-        p = r.provision
-        row("provisioned", f"{p.get('finished') or p.get('time') or '?'} ({len(p.get('steps', []))} steps, "
-                                 f"{len(p.get('warnings', []))} warnings)")
+        prov = r.provision
+        row("provisioned", f"{prov.get('finished') or prov.get('time') or '?'} ({len(prov.get('steps', []))} steps, "
+                                 f"{len(prov.get('warnings', []))} warnings)")
     console.print(t)
     if r.packages:
         pt = Table("package", "installed", box=None, pad_edge=False, header_style="bold")

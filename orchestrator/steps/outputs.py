@@ -18,8 +18,8 @@ from pydantic import BaseModel
 
 from ..agent import run_module
 from ..config import LoadedJob, OutputsConfig
-from ..connection import Connection
 from ..errors import RemoteCommandError
+from ..transport import Transport
 from .report import MoveReport
 
 MODULE = "remote.runs"
@@ -104,7 +104,7 @@ else:
 """
 
 
-def look(conn: Connection, path: str) -> tuple[str, str]:
+def look(conn: Transport, path: str) -> tuple[str, str]:
     """("missing" | "empty" | "full" | "notdir", the path expanded on the node). dfo's own .dfo names do
     not count: a folder holding only them is empty."""
     res = conn.run(f"{shlex.quote(conn.host.python)} -c {shlex.quote(_LOOK)} {shlex.quote(path)}", timeout=60)
@@ -134,7 +134,7 @@ def restore_request(loaded: LoadedJob, run_id: str, path: str) -> dict[str, Any]
     }
 
 
-def restore(conn: Connection, loaded: LoadedJob, run_id: str,
+def restore(conn: Transport, loaded: LoadedJob, run_id: str,
             on_event: Callable[[dict[str, Any]], None] | None = None) -> RestoreReport | None:
     """Before a launch: fetch outputs.dest into outputs.path when the node lacks it (missing, or holding
     nothing but dfo's .dfo names). None when the job does not restore (no outputs:, no dest, restore:
@@ -230,7 +230,7 @@ def request(workspace: str, run: str | None, job: str | None) -> dict[str, Any]:
     return {"workspace": workspace, "run": run, "job": job}
 
 
-def outputs(conn: Connection, workspace: str, run: str | None, job: str | None) -> Any:
+def outputs(conn: Transport, workspace: str, run: str | None, job: str | None) -> Any:
     """The run (RunInfo) with its outputs record in full."""
     from .runs import RunInfo
 
@@ -238,7 +238,7 @@ def outputs(conn: Connection, workspace: str, run: str | None, job: str | None) 
     return RunInfo.model_validate(data)
 
 
-def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
+def ship(conn: Transport, workspace: str, run: str, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A pass now for run ``run`` (an id: resolve RUN first with ``outputs``): the run's shipper does it
     when it is alive, else the node runs one itself with the spec (and credentials) sent here, which
@@ -247,7 +247,8 @@ def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
     if loaded is not None and loaded.job.outputs is not None and loaded.job.outputs.dest:
         req["outputs"] = outputs_spec(loaded, run)
         req["outputs_credentials"] = outputs_credentials(loaded)
-    return run_module(conn, MODULE, req, timeout=7 * 24 * 3600.0, on_event=on_event)  # type: ignore[no-any-return]
+    passed: dict[str, Any] = run_module(conn, MODULE, req, timeout=7 * 24 * 3600.0, on_event=on_event)
+    return passed
 
 
 def summary_line(o: dict[str, Any] | None) -> str | None:

@@ -20,8 +20,8 @@ from remote.redact import redact, redact_obj
 
 from ..agent import run_module
 from ..config import Job, LoadedJob
-from ..connection import Connection
 from ..errors import EXIT_OK, DfoError
+from ..transport import Transport
 
 INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
 
@@ -45,7 +45,7 @@ class ProvisionReport(BaseModel):
         return cls(host=host, ok=False, error=err.to_json(), exit_code=err.exit_code)
 
 
-def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = False,
+def provision_request(job: Job, conn: Transport, *, clear_triton_cache: bool = False,
                       install_timeout: float = INSTALL_TIMEOUT_S) -> dict[str, Any]:
     dirs = [job.run.workdir] if job.run is not None else []
     env = job.run.env if job.run is not None else {}
@@ -64,7 +64,7 @@ def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = 
     }
 
 
-def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool = False,
+def provision(conn: Transport, loaded: LoadedJob, *, clear_triton_cache: bool = False,
               on_step: Callable[[dict[str, Any]], None] | None = None,
               install_timeout: float = INSTALL_TIMEOUT_S) -> ProvisionReport:
     """Provision one host. Verification failures come back as a report with ok=False and its exit code;
@@ -107,7 +107,7 @@ def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:
 
 def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
     """The failed step as a problem first, then what pkgcheck found wrong in the venv."""
-    failed = next((s for s in reversed(rep.get("steps") or []) if s.get("status") == "failed"), {})
+    failed: dict[str, Any] = next((s for s in reversed(rep.get("steps") or []) if s.get("status") == "failed"), {})
     key = None
     if failed.get("asked"):
         try:

@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict
 
 from ..agent import run_module
 from ..config import Job, LoadedJob, RunConfig, is_secret_env
-from ..connection import Connection
 from ..diagnosis import Diagnosis, diagnose
 from ..errors import ConfigError
 from ..jobrules import PLACEHOLDERS, fill_placeholders
+from ..transport import Transport
 from ..yamlpos import line_in_file
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
@@ -245,7 +245,7 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     return out
 
 
-def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
+def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
            note: Callable[[str], None] | None = None,
            on_event: Callable[[dict[str, Any]], None] | None = None, gang: Any = None) -> RunInfo:
     """Start the job's run detached on the node; returns once the trainer has a pid. First the code
@@ -313,14 +313,14 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
 # --------------------------------------------------------------------------- status / stop / read
 
 
-def status(conn: Connection, workspace: str, run: str | None = None, job: str | None = None,
+def status(conn: Transport, workspace: str, run: str | None = None, job: str | None = None,
            limit: int = 20) -> list[RunInfo]:
     data = run_module(conn, MODULE, {"op": "status", "workspace": workspace, "run": run, "job": job,
                                      "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
     return [RunInfo.model_validate(r) for r in data["runs"]]
 
 
-def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None,
+def stop(conn: Transport, workspace: str, run: str, grace: float | None = None, job: str | None = None,
          outputs_wait: float = 0) -> RunInfo:
     """Stop the run; with ``outputs_wait`` > 0, also wait up to that long for a stopped run's last
     outputs pass (it ships the checkpoint the trainer left)."""
@@ -330,7 +330,7 @@ def stop(conn: Connection, workspace: str, run: str, grace: float | None = None,
     return RunInfo.model_validate(data)
 
 
-def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
+def read_lines(conn: Transport, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
                job: str | None = None) -> RunInfo:
     """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end, streamed
     (memory stays bounded however big the log); a lost connection is an error at once."""
@@ -339,7 +339,7 @@ def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | s
 
 
 def follow(
-    conn: Connection,
+    conn: Transport,
     workspace: str,
     *,
     run: str | None = None,

@@ -24,9 +24,9 @@ from remote.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-
 
 from ..agent import run_module
 from ..config import LoadedJob, S3Config
-from ..connection import Connection
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
 from ..jobrules import source_kind
+from ..transport import Transport
 from .report import MoveReport
 from .runs import job_workspace
 
@@ -116,7 +116,7 @@ def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> 
 # --------------------------------------------------------------------------- the node
 
 
-def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str, Any],
+def transfer(conn: Transport, loaded: LoadedJob, what: What, request: dict[str, Any],
              on_event: Callable[[dict[str, Any]], None] | None = None) -> TransferReport:
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
     module = "remote.s3sync" if what == "data" else "remote.s3stage"

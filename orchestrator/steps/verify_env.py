@@ -13,12 +13,12 @@ from pydantic import BaseModel, model_serializer
 
 from ..agent import run_module
 from ..config import Job
-from ..connection import Connection
 from ..errors import EXIT_OK, EXIT_VERIFY, DfoError, HostError
 from ..facts.node import NodeFacts, PkgReport, Problem
+from ..transport import Transport
 
 
-def workspace_of(conn: Connection, job: Job | None) -> str:
+def workspace_of(conn: Transport, job: Job | None) -> str:
     return (job.workspace if job and job.workspace else None) or conn.host.workspace
 
 
@@ -87,7 +87,7 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
     return [Problem.model_validate(p) for p in match_known_bad(packages, caps, arch_list)]
 
 
-def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
+def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
     ws = workspace_of(conn, job)
     record = provision_record_path(ws, job.name) if job else None
     raw = run_module(conn, "remote.probe", {
