@@ -51,7 +51,7 @@ class LocalConnection(Transport):
                                 stderr=subprocess.PIPE, start_new_session=True, env=local_env())
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         pin, pout, perr = proc.stdin, proc.stdout, proc.stderr
-        out, err = _Collector(on_line), _Tail()
+        out, err = _Collector(on_line, host=self.name), _Tail()
 
         def feed_stdin() -> None:
             try:
