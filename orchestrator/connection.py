@@ -295,7 +295,7 @@ class Connection(Transport):
                 raise self._lost(str(exc)) from None
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
-        out, err = _Collector(on_line, host=self.name), _Tail()
+        out, err = _Collector(on_line), _Tail()
         exited: float | None = None  # when the exit status was seen (then again at each byte after it)
         try:
             while True:
@@ -334,6 +334,8 @@ class Connection(Transport):
                 # a channel closed by a dead link reports "exit status ready" with no status
                 raise self._lost("the connection closed while a command ran")
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            if exc is out.raised:  # the caller's on_line failed here (an OSError on this machine): not the link
+                raise
             raise self._lost(str(exc)) from None
         finally:
             _close_quietly(chan)
