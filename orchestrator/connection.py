@@ -295,7 +295,7 @@ class Connection(Transport):
                 raise self._lost(str(exc)) from None
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
-        out, err = _Collector(on_line), _Tail()
+        out, err = _Collector(on_line, host=self.name), _Tail()
         exited: float | None = None  # when the exit status was seen (then again at each byte after it)
         try:
             while True:
