@@ -73,7 +73,8 @@ class GangWatch(object):
         self._threads = []
         self._listener = None
         # hub: rank -> {"state": joining|running|done|failed|lost, "last": monotonic, "chan": _Chan|None}
-        self.members: Dict[int, Dict[str, Any]] = dict((r, {"state": "joining", "last": self.t0, "chan": None}) for r in range(1, len(hosts)))
+        self.members: Dict[int, Dict[str, Any]] = dict(
+            (r, {"state": "joining", "last": self.t0, "chan": None}) for r in range(1, len(hosts)))
         # member
         self.chan = None
         self.last_heard = self.t0
@@ -160,7 +161,8 @@ class GangWatch(object):
             own = self.own
         return {"role": "hub" if self.rank == 0 else "member", "host": self.host, "first_failure": ff,
                 "state": "failed" if ff else ("succeeded" if own == "done" and self.done.is_set() else "running"),
-                "members": dict((self.hosts[r], m["state"]) for r, m in self.members.items()) if self.rank == 0 else None}
+                "members": dict((self.hosts[r], m["state"]) for r, m in self.members.items())
+                if self.rank == 0 else None}
 
     def close(self):
         self.done.set()

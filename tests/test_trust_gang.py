@@ -107,7 +107,7 @@ def test_the_hub_closes_strangers_beyond_the_cap_at_once_and_times_out_the_rest(
         _wait(lambda: sum(e["event"] == "joined" for e in hub.events) > joined, 15,
               lambda: f"the member did not rejoin: {hub.state()} {hub.events[-5:]}")
         _wait(lambda: all(_closed_by_peer(s) for s in strangers), 10,
-              lambda: "strangers were not timed out: %d of 300 still open" % sum(not _closed_by_peer(s) for s in strangers))
+              lambda: f"strangers were not timed out: {sum(not _closed_by_peer(s) for s in strangers)} of 300 open")
         assert at_once >= 200, f"only {at_once} of 300 strangers closed within 2 s (the excess is closed at once)"
         assert peak_threads <= 5, f"{peak_threads} more threads with 300 strangers connected"
         assert hub.first_failure is None and not any(e.is_set() for e in stops.values())
