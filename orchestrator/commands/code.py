@@ -11,7 +11,7 @@ from remote.fsutil import human_bytes
 
 from ..cli_common import console, emit, err_console, hosts_option, job_option, json_option, safe, session
 from ..config import load_job
-from ..steps.code import CodeReport, push_code, start_local
+from ..steps.code import CodeReport, push_code, start_local, took_over_line
 from .report_view import files, print_moved, print_names
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ def render(host: str, r: CodeReport, command: str = "sync-code") -> None:
     with _OUT:
         print_moved(host, command, r, verb="sent")
         print_names(r.kept, r.kept_files, "gone here but changed on the node since dfo pushed {them}, not deleted")
+        if r.took_over is not None:
+            console.print(f"  {safe(took_over_line(r.took_over, r.released))}", soft_wrap=True)
 
 
 def warn_for(host: str) -> Any:
@@ -55,12 +57,20 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
     dfo never pushes (.git/, anything starting with .dfo). Only changed files travel, as one
     stream, each checked by sha256 on arrival; a file deleted here is deleted on the node
     only if dfo pushed it and it is unchanged there. The executable bit and symlinks inside
-    the tree arrive intact; a symlink pointing outside the tree is refused (exit 2).
-    Files over 100 MB and trees over 10,000 files are warned about before they travel.
+    the tree arrive intact; a symlink pointing outside the tree is refused (exit 2), and so is
+    a file with a symlinked folder on its path whose real path leaves the tree (every file is
+    read without following links). Files over 100 MB and trees over 10,000 files are warned
+    about before they travel.
+
+    The folder on the node belongs to the job that pushed it (its manifest says which). Another
+    job's push into it is refused (exit 2, naming both jobs) while that job has a live run; with
+    none, the new job takes the folder over: the old job's files are left in place, never
+    deleted, and only what the new job pushes is ever deleted by it later.
 
     \b
-    Exit codes: 0 done (or nothing to do); 2 bad job file, a refused symlink or code.dest;
-    3 a check failed on the node; 4 the node could not be reached.
+    Exit codes: 0 done (or nothing to do); 2 bad job file, a refused symlink or code.dest,
+    or the folder is another job's with a live run; 3 a check failed on the node; 4 the node
+    could not be reached.
     """
     loaded = load_job(job_path)
     # a bad code: section is exit 2 before any host is touched; the files here are listed and

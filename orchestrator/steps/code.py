@@ -66,6 +66,8 @@ class CodeReport(MoveReport):
     what: str = Field(default="code", exclude=True)
     warnings: list[str] = []
     in_git: bool = False
+    took_over: str | None = None  # this push took the folder over from that job ("": a manifest naming none)
+    released: int = 0  # that job's files this push left in place (not deleted, no longer dfo's)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.model_dump(), "sent": self.fetched}
@@ -211,23 +213,31 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
     if local is None:
         local = start_local(loaded)
     dest = local.dest
+    # the job that owns what it pushes there (remote.codepush: another job's live run refuses this push)
+    who = {"dest": dest, "job": loaded.job.name, "workspace": loaded.job.workspace or conn.host.workspace,
+           "host": conn.name}
     known = Pushed(node_key(conn, dest))
     state: dict[str, Any] | None = None
     if known.digest is None:  # nothing known of the node: its manifest, asked while the files here are listed
-        state = _call(conn, {"op": "state", "dest": dest})
+        state = _call(conn, {"op": "state", **who})
     local.result()
     files = local.files
     base: dict[str, Any] | None = None
     if state is None and known.digest != local.digest:  # changed here since the last push: what, exactly
         base = known.files()
         if base is None:  # the cache went away meanwhile
-            state = _call(conn, {"op": "state", "dest": dest})
+            state = _call(conn, {"op": "state", **who})
     total_bytes = sum(f.size for f in files.values())
     sent = nbytes = deleted = kept_n = 0
     kept: list[str] = []
     notes: list[str] = []
     warned: set[str] = set()
     real = dest
+    took_over: str | None = None
+    released = 0
+    takeover = False  # another job's folder (its owner has no live run): send the whole tree, delete nothing
+    to_send: list[str]
+    to_delete: list[str]
 
     def remember() -> None:  # what the node now holds, for the next push's guess
         if known.digest != local.digest:
@@ -240,9 +250,13 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
                           fetched=sent, skipped=len(files) - sent, deleted=deleted, bytes=nbytes,
                           seconds=round(secs, 3), mb_per_s=round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0,
                           files_total=len(files), bytes_total=total_bytes, kept=kept_n,
-                          kept_files=sorted(kept)[:10], warnings=notes, in_git=local.in_git)
+                          kept_files=sorted(kept)[:10], warnings=notes, in_git=local.in_git,
+                          took_over=took_over, released=released)
 
-    if state is not None:
+    if state is not None and state.get("foreign"):
+        real, takeover = state["dest"], True
+        to_send, to_delete = sorted(local.view()), []
+    elif state is not None:
         real = state["dest"]
         dirty = set(state.get("dirty") or [])
         if not dirty and files and state.get("digest") == local.digest:
@@ -262,19 +276,34 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         notes += new
         warned.update(to_send)
         entries, payload = _stream(local, to_send)
-        done = _call(conn, {"op": "sync", "dest": dest, "want": local.digest, "files": entries, "delete": to_delete},
-                     payload, timeout=PUSH_TIMEOUT_S)
+        done = _call(conn, {"op": "sync", **who, "want": local.digest, "files": entries, "delete": to_delete,
+                            "takeover": takeover}, payload, timeout=PUSH_TIMEOUT_S)
         real = done["dest"]
         sent, nbytes, deleted = sent + done["sent"], nbytes + done["bytes"], deleted + done["deleted"]
         kept += done.get("kept_files") or []
         kept_n += done.get("kept") or 0
+        if done.get("took_over") is not None:
+            took_over, released = done["took_over"], released + int(done.get("released") or 0)
         if done.get("match"):
             remember()
             break
+        if done.get("foreign") and not attempt:  # another job's folder, not running: take it over (whole tree)
+            takeover, to_send, to_delete = True, sorted(local.view()), []
+            continue
+        takeover = False
         to_send, to_delete = _diff(local.view(), done.get("files") or {}, set(done.get("dirty") or []))
         if attempt or (not to_send and not to_delete):
             break  # the node changed under this push (another push into the same dest): reported as it went
-    status = "done" if sent or deleted else "no change"
+    status = "done" if sent or deleted or took_over is not None else "no change"
     if status == "done":
-        note(f"code: sent {sent} file{'s' if sent != 1 else ''} ({human_bytes(nbytes)}), deleted {deleted}, to {real}")
+        note(f"code: sent {sent} file{'s' if sent != 1 else ''} ({human_bytes(nbytes)}), deleted {deleted}, to {real}"
+             + (f"; {took_over_line(took_over, released)}" if took_over is not None else ""))
     return report(status)
+
+
+def took_over_line(owner: str, released: int) -> str:
+    """What a takeover did, in words (for the report and launch's note)."""
+    prev = f"job {owner}" if owner else "a push that named no job (an older dfo)"
+    left = f"{released} of its file{'s' if released != 1 else ''} left in place, not deleted" if released else \
+        "none of its files left behind"
+    return f"took the folder over from {prev} (no live run): {left}"

@@ -440,7 +440,8 @@ def warnings(source: Path, files: dict[str, LocalFile], to_send: list[str]) -> l
     out: list[str] = []
     big = sorted(((files[r].size, r) for r in to_send if files[r].size > BIG_FILE), reverse=True)
     if big:
-        names = ", ".join(f"{r} ({human_bytes(s)})" for s, r in big[:5]) + (f" and {len(big) - 5} more" if len(big) > 5 else "")
+        names = ", ".join(f"{r} ({human_bytes(s)})" for s, r in big[:5])
+        names += f" and {len(big) - 5} more" if len(big) > 5 else ""
         out.append(f"code: {len(big)} file{'s' if len(big) != 1 else ''} over {BIG_FILE // 1_000_000} MB in {source}: "
                    f"{names}; did you mean to exclude {'them' if len(big) != 1 else 'it'}? (code.exclude)")
     if to_send and len(files) > BIG_TREE:
