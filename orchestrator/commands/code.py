@@ -106,14 +106,16 @@ def render_pull(host: str, r: Any) -> None:
             console.print(f"  {r.changed} file{'s' if r.changed != 1 else ''} changed on the node while being pulled, "
                           f"not fetched (pull again): {safe(', '.join(r.changed_files))}", soft_wrap=True)
         if r.links_skipped:
-            console.print(f"  {r.links_skipped} symlink{'s' if r.links_skipped != 1 else ''} not pulled", soft_wrap=True)
+            console.print(f"  {r.links_skipped} symlink{'s' if r.links_skipped != 1 else ''} not pulled",
+                          soft_wrap=True)
         print_names(r.kept, r.kept_files, "kept here, not replaced: not written by dfo pull or changed since "
                                           "(--overwrite replaces those), or behind a symlink or in a folder's place")
         refused = getattr(r, "refused", 0)
         if refused:
             more = f" and {refused - len(r.refused_files)} more" if refused > len(r.refused_files) else ""
             console.print(f"  {refused} name{'s' if refused != 1 else ''} with a .git component refused "
-                          f"(dfo pull never writes into .git): {safe(', '.join(r.refused_files))}{more}", soft_wrap=True)
+                          f"(dfo pull never writes into .git): {safe(', '.join(r.refused_files))}{more}",
+                          soft_wrap=True)
 
 
 @click.command("pull")
@@ -149,8 +151,9 @@ def pull_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, paths:
     DIR/.dfo/pull-manifest.json lists them), or that changed since, is kept unless
     --overwrite; nothing is written through a symlinked folder inside DIR. Files already
     here as an earlier pull left them, and unchanged on the node, are skipped. An
-    interrupted pull keeps its partial files: the next one fetches only the rest. Names starting with .dfo are never pulled; symlinks on
-    the node are not followed (and not pulled).
+    interrupted pull keeps its partial files: the next one fetches only the rest. Names
+    starting with .dfo are never pulled; symlinks on the node are not followed (and not
+    pulled).
 
     \b
     Exit codes: 0 done (or nothing to do; kept and refused files are named);

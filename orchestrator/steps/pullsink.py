@@ -240,7 +240,8 @@ class Sink:
             have = os.stat(name, dir_fd=self.d.part_fd, follow_symlinks=False).st_size
         except (OSError, ValueError):
             return 0
-        ok = isinstance(pm, dict) and pm.get("path") == rel and pm.get("size") == size and pm.get("mtime_ns") == mtime_ns
+        ok = isinstance(pm, dict) and pm.get("path") == rel and pm.get("size") == size \
+            and pm.get("mtime_ns") == mtime_ns
         return have if ok and 0 < have <= size else 0
 
     def _where(self, rel: str) -> str:
