@@ -98,7 +98,8 @@ def module_command(module: str, python: str, env: dict[str, str] | None = None, 
     return (
         f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
         f'command -v {shlex.quote(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
-        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} exec {shlex.quote(python)} {flags} -m {module} {argv}'
+        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
+        f'exec {shlex.quote(python)} {flags} -m {module} {argv}'
     )
 
 

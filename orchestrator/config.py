@@ -101,7 +101,8 @@ def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path
     for group, members in inv.groups.items():
         for m in members:
             if m not in inv.hosts and m not in inv.groups:
-                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}", hint="add it under hosts: or fix the name")
+                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}",
+                                  hint="add it under hosts: or fix the name")
     return inv, p
 
 
@@ -310,7 +311,8 @@ class OutputsConfig(Strict):
     {run_id} are expanded in path and dest; an object's key is dest + the path relative to path."""
 
     path: Annotated[str, AfterValidator(jobrules.outputs_path)] = "/workspace/checkpoints/{name}"
-    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None  # s3://bucket/prefix/; none: nothing ships
+    # s3://bucket/prefix/; none: nothing ships
+    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None
     every: float = Field(default=300.0, gt=0)  # seconds between passes; one last pass after the run ends
     settle: float = Field(default=10.0, ge=0)  # a file ships once unchanged this long
     include: list[str] = ["**"]  # gitignore-style patterns
@@ -402,7 +404,8 @@ class LoadedJob(BaseModel):
     def need(self, section: str) -> object:
         value = getattr(self.job, section)
         if value is None:
-            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see docs/configuration.md, Job files")
+            raise ConfigError(f"{self.path}: this command needs a '{section}:' section",
+                              hint="see docs/configuration.md, Job files")
         return value
 
 

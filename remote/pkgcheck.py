@@ -137,7 +137,8 @@ def check_pins(pins: list, dists: dict) -> list:
         d = dists.get(dist_key(req))
         want = str(req.specifier) or None
         if d is None:
-            out.append(problem("missing", dist_key(req), want, None, "asked %s; %s is not installed" % (spec, req.name)))
+            out.append(problem("missing", dist_key(req), want, None,
+                               "asked %s; %s is not installed" % (spec, req.name)))
         elif not _contains(req.specifier, d.version):
             out.append(problem("pin", dist_key(req), want, d.version, "asked %s; %s is %s" % (spec, d.name, d.version)))
     return out

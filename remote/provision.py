@@ -141,8 +141,8 @@ class Provision:
             try:
                 os.makedirs(d, exist_ok=True)
             except OSError as exc:
-                raise StepFailed("cannot create %s: %s" % (d, exc.strerror),
-                                 hint="check the path and its permissions (workspace: in the inventory or job)") from None
+                raise StepFailed("cannot create %s: %s" % (d, exc.strerror), hint="check the path and its "
+                                 "permissions (workspace: in the inventory or job)") from None
             created.append(d)
         bad = [d for d in dirs if not os.access(d, os.W_OK | os.X_OK)]
         if bad:

@@ -375,7 +375,8 @@ def describe_failure(exc, obj, dest, bucket, endpoint):
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             free, inodes = free_bytes(dest), free_inodes(dest)
-            left = "%s and %s inodes free now" % (human(free), inodes) if inodes is not None else human(free) + " free now"
+            left = ("%s and %s inodes free now" % (human(free), inodes) if inodes is not None
+                    else human(free) + " free now")
             return ("verify", "no space left on the filesystem of %s while writing %s from %s (%s)"
                     % (dest, where, endpoint, left),
                     "free space (or inodes) there; finished files are kept, the next run fetches only the rest")

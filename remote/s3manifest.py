@@ -242,7 +242,8 @@ class Manifest:
         doc = {"version": VERSION, "source": self.source, "files": self.files}
         if self.other:
             doc["other"] = self.other
-        write_atomic(self.meta_fd, "manifest.json", json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
+        write_atomic(self.meta_fd, "manifest.json",
+                     json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
         if self._jfd is not None:
             os.ftruncate(self._jfd, 0)
         self._dirty = False

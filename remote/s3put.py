@@ -257,8 +257,8 @@ class Uploader:
             nparts = (size + psize - 1) // psize
             halt = threading.Event()  # a part failed: the others not yet started are not sent
             assert self.parts_pool is not None, "multipart uploads run inside upload()"
-            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i * psize, i, min(psize, size - i * psize),
-                                              halt) for i in range(nparts)]
+            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i * psize, i,
+                                              min(psize, size - i * psize), halt) for i in range(nparts)]
             results, first = [], None
             for fut in futures:
                 try:

@@ -60,7 +60,8 @@ COMMON_HELP = """\
 def _render(host: str, r: TransferReport, command: str) -> None:
     verified = ", ".join(f"{k} {v}" for k, v in sorted(r.verified.items()))
     with _OUT:
-        print_moved(host, command, r, detail=f" = {r.mb_per_s:.1f} MB/s" + (f"; verified: {verified}" if verified else ""))
+        print_moved(host, command, r,
+                    detail=f" = {r.mb_per_s:.1f} MB/s" + (f"; verified: {verified}" if verified else ""))
         # dest safety (docs/data.md): files swapped on the node, files --delete left because they are not dfo's
         print_names(r.changed, r.changed_files, "changed on the node since dfo wrote {them}, fetched again")
         print_names(r.kept, r.kept_files, "changed on the node since dfo wrote {them}, not deleted")

@@ -34,12 +34,12 @@ def render_outputs(host: str, r: OutputsReport) -> None:
             return
         console.print(f"{head}: outputs {safe(r.state)}", soft_wrap=True, highlight=False)
         if r.path or r.dest:
-            console.print(f"  {safe(r.path or '?')} -> {safe(r.dest or '?')}" + (f", every {r.every:g}s" if r.every else ""),
-                          soft_wrap=True, highlight=False)
+            every = f", every {r.every:g}s" if r.every else ""
+            console.print(f"  {safe(r.path or '?')} -> {safe(r.dest or '?')}{every}", soft_wrap=True, highlight=False)
         lag = f"; lag {r.lag_s:.0f}s" if r.lag_s is not None else ""
         console.print(f"  shipped {files(r.shipped.get('files', 0))} ({human_bytes(r.shipped.get('bytes', 0))}) in "
-                      f"{r.passes} pass{'es' if r.passes != 1 else ''} ({r.failed_passes} failed); {r.pending} pending{lag}", soft_wrap=True,
-                      highlight=False)
+                      f"{r.passes} pass{'es' if r.passes != 1 else ''} ({r.failed_passes} failed); "
+                      f"{r.pending} pending{lag}", soft_wrap=True, highlight=False)
         for label, p in (("last pass", r.last_pass), ("final pass", r.final)):
             if not p or (label == "last pass" and r.final and p.get("n") == r.final.get("n")):
                 continue
@@ -148,12 +148,14 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
         if not ship:
             return steps.OutputsReport.of(info)
         o = info.outputs or {}
-        spec = steps.outputs_spec(loaded, info.id) if loaded and loaded.job.outputs and loaded.job.outputs.dest else None
+        spec = (steps.outputs_spec(loaded, info.id)
+                if loaded and loaded.job.outputs and loaded.job.outputs.dest else None)
         if not o and spec is None:
             raise UsageError(f"run {info.id} ships no outputs: its job had no outputs.dest when it was launched"
                              + ("" if loaded else " (or give -j JOB with outputs.dest to ship with it)"))
         p = steps.ship(conn, ws, info.id, loaded)
-        return steps.ShipReport.of(conn.name, info.id, p, source=str(p.get("path") or o.get("path") or (spec or {}).get("path") or "?"),
+        return steps.ShipReport.of(conn.name, info.id, p,
+                                   source=str(p.get("path") or o.get("path") or (spec or {}).get("path") or "?"),
                                    dest=str(p.get("dest") or o.get("dest") or (spec or {}).get("dest") or "?"),
                                    before=o.get("shipped"))
 

@@ -173,8 +173,8 @@ def detached_launch(ctx: click.Context, started: dict[str, steps.RunInfo], job_p
 
 
 def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
-             multi: bool, gang: dict[str, Any] | None = None) -> tuple[Callable[[Transport], Launched], Callable[[str, Launched], None],
-                                   dict[str, steps.RunInfo]]:
+             multi: bool, gang: dict[str, Any] | None = None
+             ) -> tuple[Callable[[Transport], Launched], Callable[[str, Launched], None], dict[str, steps.RunInfo]]:
     """(launch on one connection, render one host's result, the runs started so far by host).
     ``gang``: filled with {"plan": GangPlan} before the launch when the job is a gang's."""
     run = loaded.job.run
@@ -202,14 +202,14 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
         except DfoError as exc:
             live = (exc.details or {}).get("running")
             if live:  # refused: the job already runs here; say how to reach that run
-                exc.hint = (f"follow it: {cmd('tail', conn.name, str(live))}; stop it: {cmd('stop', conn.name, str(live))}; "
-                            "or launch anyway with --force")
+                exc.hint = (f"follow it: {cmd('tail', conn.name, str(live))}; "
+                            f"stop it: {cmd('stop', conn.name, str(live))}; or launch anyway with --force")
             raise
         started[conn.name] = info
         if not quiet:
             with OUT:
-                console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] (pid {safe(info.pid)}); "
-                              f"watching {window:g}s", highlight=False, soft_wrap=True)
+                console.print(f"[bold]{safe(conn.name)}[/]: started run [bold]{safe(info.id)}[/] "
+                              f"(pid {safe(info.pid)}); watching {window:g}s", highlight=False, soft_wrap=True)
             for u in info.uploads or []:
                 if u.get("changed"):
                     lines.note(conn.name)(f"uploaded {u['path']} to {run.workdir} (sha256 {u['sha256'][:12]})")
@@ -241,7 +241,8 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
             if plan is None or host == plan.nodes[-1].host:  # a gang: once, for every node (-H all of them)
                 where = ",".join(n.host for n in plan.nodes) if plan is not None else host
                 for label, command in (("follow", "tail"), ("status", "status"), ("stop", "stop")):
-                    console.print(f"  {label + ':':8}{safe(cmd(command, where, f.id))}", highlight=False, soft_wrap=True)
+                    console.print(f"  {label + ':':8}{safe(cmd(command, where, f.id))}", highlight=False,
+                                  soft_wrap=True)
         else:
             console.print(f"[bold]{safe(host)}[/]: run [bold]{safe(f.id)}[/] {state_markup(f.state)} after "
                           f"{duration(f)} ({how(f)})", soft_wrap=True)
@@ -281,7 +282,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     that exact offset: every line is printed once, in order. It ends when the run has ended and
     its log is drained: exit 0 when the run succeeded, 5 when it failed, was stopped or was lost
     (with a diagnosis on stderr). A run with outputs: is followed until the last pass of its
-    shipper (after the run ended) has finished or failed, and a line on stderr says which. Ctrl-C detaches and leaves the run alone: exit 130.
+    shipper (after the run ended) has finished or failed, and a line on stderr says which.
+    Ctrl-C detaches and leaves the run alone: exit 130.
     Log lines go to stdout exactly as the trainer wrote them; dfo's own notes go to stderr.
     With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run;
     without RUN or -j it is the newest run of any job there. Without RUN, the run taken (and its
@@ -300,7 +302,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
     with sess:
-        code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded, job_path=job_path)
+        code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded,
+                                  job_path=job_path)
     return code
 
 
@@ -311,7 +314,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
 @hosts_option
 @click.argument("run", required=False)
 @job_option(required=False)
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Show at most this many runs per host.")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Show at most this many runs per host.")
 @json_option
 @click.pass_context
 def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_path: str | None, limit: int,
@@ -345,8 +349,8 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     gang = gang_summary(outcomes) if run is not None else None
     to_json = lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump()  # noqa: E731
     if gang is None:
-        return emit(outcomes, as_json, to_json, lambda host, runs: render_status(ctx, host, runs, detail=run is not None,
-                                                                                  job_path=job_path))
+        return emit(outcomes, as_json, to_json,
+                    lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
     if as_json:
         print_json({**hosts_json(outcomes, to_json), "gang": gang})
         return exit_code_of(outcomes)

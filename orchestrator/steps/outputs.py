@@ -222,7 +222,8 @@ class ShipReport(MoveReport):
                    bytes=int(p.get("bytes") or 0), seconds=float(p.get("seconds") or 0.0),
                    mb_per_s=float(p.get("mb_per_s") or 0.0), dest=dest, source=source,
                    files_total=int(p.get("files_total") or (before.get("files") or 0) + files + skipped),
-                   bytes_total=int(p.get("bytes_total") or (before.get("bytes") or 0) + int(p.get("bytes") or 0)), pending=int(p.get("pending") or 0),
+                   bytes_total=int(p.get("bytes_total") or (before.get("bytes") or 0) + int(p.get("bytes") or 0)),
+                   pending=int(p.get("pending") or 0),
                    changed_during=int(p.get("changed_during") or 0), error=p.get("error"))
 
 
@@ -288,7 +289,8 @@ def final_line(o: dict[str, Any] | None) -> tuple[str, bool] | None:
     p = o.get("final") or o.get("last_pass") or {}
     dest = o.get("dest") or "?"
     if o.get("state") == "failed" or (p and not p.get("ok", True)):
-        err = p.get("error") or next((e.get("error") for e in reversed(o.get("errors") or [])), None) or "see dfo outputs"
+        err = (p.get("error") or next((e.get("error") for e in reversed(o.get("errors") or [])), None)
+               or "see dfo outputs")
         return f"outputs: last pass FAILED: {err}", True
     if o.get("state") != "done":
         return f"outputs: the last pass has not finished (state {o.get('state')}); see dfo outputs", False

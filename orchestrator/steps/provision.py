@@ -94,7 +94,8 @@ def provision(conn: Transport, loaded: LoadedJob, *, clear_triton_cache: bool = 
         )
     data = redact_obj(data)
     return ProvisionReport(host=conn.name, ok=True, steps=data.get("steps") or [], warnings=data.get("warnings") or [],
-                           problems=[], record=data.get("record"), packages=_asked(job, data.get("packages_after") or {}))
+                           problems=[], record=data.get("record"),
+                           packages=_asked(job, data.get("packages_after") or {}))
 
 
 def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:

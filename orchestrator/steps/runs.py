@@ -220,7 +220,8 @@ def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
             value = os.environ.get(name)
             if value is None:
                 line = line_in_file(loaded.path, ("run", "secret_env", run.secret_env.index(name)))
-                raise ConfigError(f"{loaded.path}:{line}: run.secret_env: {name} is not set in this shell's environment",
+                raise ConfigError(f"{loaded.path}:{line}: run.secret_env: {name} is not set in this shell's "
+                                  "environment",
                                   hint=f"export {name}=... before launching (it reaches the node on stdin only)")
             secret[name] = value
     return plain, secret
@@ -234,7 +235,8 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     for rel in run.upload:
         local = loaded.path.parent / rel
         if not local.is_file():
-            raise ConfigError(f"{loaded.path}: run.upload: {local} is not a file", hint="paths are relative to the job file")
+            raise ConfigError(f"{loaded.path}: run.upload: {local} is not a file",
+                              hint="paths are relative to the job file")
         clash = [u for u in out if u["path"] == local.name]
         if clash:
             raise ConfigError(f"{loaded.path}: run.upload: {rel!r} and {clash[0]['_rel']!r} would both land as "

@@ -76,7 +76,8 @@ def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None
         where = f"profile {s3.profile!r} in ~/.aws" if s3.profile else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws"
         raise ConfigError(f"{job_path}: no S3 credentials found on this machine ({where}, SSO, ...)",
                           hint="export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set s3.profile; "
-                               "s3.credentials: node uses the node's own; s3.credentials: anonymous for a public bucket")
+                               "s3.credentials: node uses the node's own; "
+                               "s3.credentials: anonymous for a public bucket")
     return {"access_key": frozen.access_key, "secret_key": frozen.secret_key, "session_token": frozen.token}
 
 
@@ -142,7 +143,8 @@ def transfer(conn: Transport, loaded: LoadedJob, what: What, request: dict[str, 
     return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
         "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
         "bytes_total")}, verified=data.get("verified") or {}, changed=data.get("changed") or 0,
-        changed_files=data.get("changed_files") or [], kept=data.get("kept") or 0, kept_files=data.get("kept_files") or [])
+        changed_files=data.get("changed_files") or [], kept=data.get("kept") or 0,
+        kept_files=data.get("kept_files") or [])
 
 
 # --------------------------------------------------------------------------- progress on a terminal

@@ -107,7 +107,8 @@ def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeo
         if not facts.venv_python_exists:
             report.problems.append(Problem(
                 kind="venv_missing", package=None, expected=job.venv_python, found=None,
-                message=f"the job's interpreter {job.venv_python} does not exist; run: dfo provision -H {conn.name} -j {job.name}",
+                message=f"the job's interpreter {job.venv_python} does not exist; "
+                        f"run: dfo provision -H {conn.name} -j {job.name}",
             ))
         else:
             pk = PkgReport.model_validate(run_module(conn, "remote.pkgcheck", {
