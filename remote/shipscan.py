@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import threading
+from typing import Set, Tuple
 
 from remote.fsutil import FILE_FLAGS, write_atomic
 from remote.globpat import compile_rules
@@ -102,7 +103,7 @@ def settled(st, now_ns, settle_s, open_w, moved=False):
 def open_for_writing(proc="/proc"):
     """{(st_dev, st_ino)} of the files open for writing (O_WRONLY or O_RDWR) by the processes this user
     may look at. Processes of other users are not visible, and so count as not writing."""
-    held = set()
+    held: Set[Tuple[int, int]] = set()
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
@@ -158,7 +159,9 @@ class Shipped:
 
     def current(self, rel, st, key):
         e = self.files.get(rel)
-        return bool(e) and e.get("key") == key and e.get("size") == st.st_size and \
+        if not e:
+            return False
+        return e.get("key") == key and e.get("size") == st.st_size and \
             e.get("mtime_ns") == st.st_mtime_ns and e.get("ino") == st.st_ino
 
     def record(self, rel, st, key, etag, sha256):
