@@ -32,8 +32,8 @@ from typing import Any
 
 from ..agent import run_module
 from ..config import LoadedJob
-from ..connection import Connection
 from ..errors import ConfigError, VerifyError
+from ..transport import Transport
 from .pullsink import InTheWay, PullDir, Sink, is_git, local_error
 from .report import MoveReport
 from .runs import job_workspace, status
@@ -122,7 +122,7 @@ def _listing(host: str, listing: Any) -> dict[str, tuple[int, int]]:
     return out
 
 
-def pull(conn: Connection, *, run: str | None, paths: list[str], to: str | None, loaded: LoadedJob | None,
+def pull(conn: Transport, *, run: str | None, paths: list[str], to: str | None, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None, per_host: bool = False,
          overwrite: bool = False) -> PullReport:
     t0 = time.monotonic()
