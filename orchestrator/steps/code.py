@@ -53,7 +53,7 @@ from .codetree import (
 from .report import MoveReport
 
 if TYPE_CHECKING:
-    from ..connection import Connection
+    from ..transport import Transport
 
 MODULE = "remote.codepush"
 PUSH_TIMEOUT_S = 24 * 3600.0
@@ -139,7 +139,7 @@ def start_local(loaded: LoadedJob) -> Local:
     return Local(loaded)
 
 
-def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
+def _call(conn: Transport, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
     from ..agent import NEED_UPLOAD, module_command, parse_output, upload_agent
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
@@ -166,7 +166,7 @@ def _stderr(host: str) -> Callable[[str], None]:
     return say
 
 
-def node_key(conn: Connection, dest: str) -> str:
+def node_key(conn: Transport, dest: str) -> str:
     """Names the node and dest for the cache of what the last push left there."""
     h = conn.host
     return f"{h.user}@{h.hostname}:{h.port}\0{conn.name}\0{dest}"
@@ -200,7 +200,7 @@ def _diff(view: dict[str, dict[str, object]], node: dict[str, Any], dirty: set[s
     return to_send, sorted(rel for rel in node if rel not in view)
 
 
-def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
+def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
               note: Callable[[str], None] | None = None, local: Local | None = None) -> CodeReport:
     """Push the job's code to the node; only changed files travel. Raises the DfoError of a failure.
 
