@@ -15,7 +15,7 @@ from ..steps.code import CodeReport, push_code, start_local, took_over_line
 from .report_view import files, print_moved, print_names
 
 if TYPE_CHECKING:
-    from ..connection import Connection
+    from ..transport import Transport
 
 _OUT = threading.Lock()
 
@@ -79,7 +79,7 @@ def sync_code(ctx: click.Context, hosts: tuple[str, ...], job_path: str, as_json
     if not as_json:  # the report's printer (rich), imported while this waits on the network
         threading.Thread(target=_warm_printer, args=(local,), daemon=True).start()
     with session(ctx, hosts) as s:
-        def one(conn: Connection) -> CodeReport:
+        def one(conn: Transport) -> CodeReport:
             return push_code(conn, loaded, warn=warn_for(conn.name), note=lambda _t: None, local=local)
 
         outcomes = s.each(one)
