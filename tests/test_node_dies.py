@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -29,16 +28,11 @@ from orchestrator import testbed_sys as tsys
 from orchestrator.commands.demo import DEFAULT_WHEELS
 from orchestrator.demo_data import write_data, write_model
 from orchestrator.testbed import Testbed, TestbedError
+from tests._cli import dfo, dfo_argv, dfo_popen
 
 pytestmark = pytest.mark.testbed
 
 MakeTestbed = Callable[..., Testbed]
-
-
-def dfo(inv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a fresh interpreter, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
 
 
 def _spaces(pid: int) -> set[tuple[str, int]]:
@@ -172,12 +166,11 @@ class Story:
         self.out.write_text("\n".join(self.lines) + "\n")
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", *args]
+        return dfo_argv(None, *args)
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         t0 = time.monotonic()
-        r = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout, env=self.env,
-                           cwd=self.cwd)
+        r = dfo(None, *args, timeout=timeout, env=self.env, cwd=self.cwd)
         self.note(f"$ dfo {' '.join(args)}\n{r.stdout}{r.stderr}[exit {r.returncode}, {time.monotonic() - t0:.1f}s]")
         return r
 
@@ -185,8 +178,7 @@ class Story:
         """A long command (up): its output (stdout and stderr) goes to the transcript as it comes."""
         t0 = time.monotonic()
         self.note(f"$ dfo {' '.join(args)}")
-        proc = subprocess.Popen(self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env, cwd=self.cwd)
+        proc = dfo_popen(None, *args, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
         timer = threading.Timer(timeout, proc.kill)
         timer.start()
         out: list[str] = []
@@ -229,8 +221,8 @@ def _two_ships_then_vanish(tb: Testbed, story: Story, node: Any, job: Path, buck
     in EXPECT was running there), and the laptop's `dfo up`, still following a dead node, gets Ctrl-C
     DETACH_AFTER seconds later (it would retry for 5 minutes)."""
     s3 = tb.s3.client()  # type: ignore[union-attr]
-    up = subprocess.Popen(story.argv("up", "-H", node.name, "-j", job.name), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=story.env, cwd=story.cwd)
+    up = dfo_popen(None, "up", "-H", node.name, "-j", job.name, stderr=subprocess.STDOUT, env=story.env,
+                   cwd=story.cwd)
     try:
         etags: list[str] = []
         deadline = time.monotonic() + ship_timeout
