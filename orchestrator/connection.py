@@ -19,7 +19,8 @@ All SSH options live here, in one commented place:
   forwarding channel;
 * liveness on every call (orchestrator.liveness): a keepalive that wants an answer every 5 s; none
   for 20 s and the link counts as dead: the call in flight raises ConnectionLost (exit 4), a long
-  silent command on a live link runs on. A dead hop shows as a dead target link;
+  silent command on a live link runs on. A dead hop shows as a dead target link. The environment's
+  DFO_ALIVE_INTERVAL_S and DFO_ALIVE_DEAD_S change the 5 and the 20 (the tests use a few seconds);
 * an explicit timeout on every call (``run(..., timeout=)``); Ctrl-C leaves at once (the loop
   waits in 0.25 s slices);
 * commands run on a paramiko channel of fabric's transport, with dfo's own loop (streaming
@@ -49,6 +50,7 @@ from .config import ResolvedHost, ssh_configuration
 from .errors import ConnectionLost, DfoError, HostError
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
+from .liveness import bounds as liveness_bounds
 from .transport import Result, Transport, _Collector, _Tail, open_connection
 
 __all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint",
@@ -218,6 +220,7 @@ class Connection(Transport):
                 if self._fab.is_connected:
                     return self._fab.client
                 self._close_locked()
+            alive = liveness_bounds()  # a bad DFO_ALIVE_* is exit 2 before any connection opens
             fab = self._target()
             try:
                 fab.open()
@@ -226,7 +229,7 @@ class Connection(Transport):
                 raise
             self._fab = fab
             self._lost_why = None
-            self._alive = Liveness(fab.transport, self._dead_link(fab), self.name)
+            self._alive = Liveness(fab.transport, self._dead_link(fab), self.name, alive)
             return fab.client
 
     def _dead_link(self, fab: _Hop) -> Callable[[str], None]:
