@@ -66,6 +66,7 @@ from remote.provision_lib import (
     write_json,
 )
 from remote.redact import redact, redact_obj
+from remote.s3dest import open_meta
 
 HISTORY = 10  # earlier runs kept in the record (started, ok, installed, changed, error)
 
@@ -134,6 +135,11 @@ class Provision:
         dirs = [self.workspace, self.workspace + "/.dfo", self.record_dir] + list(self.req.get("dirs") or [])
         created = []
         for d in dirs:
+            if d == self.workspace + "/.dfo":  # no symlink, this user's, nobody else may write it (made 0700)
+                try:
+                    os.close(open_meta(self.workspace, "workspace"))
+                except RemoteError as exc:
+                    raise StepFailed(exc.message, hint=exc.extra.get("hint"), kind="config") from None
             if os.path.isdir(d):
                 continue
             if os.path.lexists(d):

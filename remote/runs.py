@@ -23,6 +23,7 @@ from remote.logfollow import LogReader, start_offset
 from remote.logfollow import Watch as _Watch
 from remote.logfollow import chunk_event as _chunk_event
 from remote.redact import is_secret, redact
+from remote.s3dest import open_meta
 from remote.uploads import sync_uploads
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +117,9 @@ def launch(req):
     if not _RUN_ID.match(run_id):
         raise RemoteError("usage", "bad run id %r" % run_id)
     root = runs_root(req)
+    workspace = req.get("workspace") or "/workspace"
+    os.makedirs(workspace, exist_ok=True)
+    os.close(open_meta(workspace, "workspace"))  # its .dfo: no symlink, this user's, nobody else may write it
     os.makedirs(root, exist_ok=True)
     lock = open(os.path.join(root, ".launch.lock"), "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # one launch at a time per workspace: check + start is atomic

@@ -280,3 +280,30 @@ def test_on_a_node_endless_output_to_a_plain_command_stops_at_the_cap(testbed: T
         assert time.monotonic() < deadline, "yes dfo-flood still runs on the node"
         time.sleep(0.2)
 
+
+# --------------------------------------------------------------------------- the workspace's .dfo (runs, records)
+
+
+@pytest.mark.parametrize("command", ["launch", "provision"])
+def test_launch_and_provision_refuse_a_workspace_whose_dfo_is_a_symlink_and_write_nothing_through_it(
+        command: str, testbed: Any, tmp_path: Path) -> None:
+    import yaml
+
+    from tests._runs_fixtures import COUNTER, RunsEnv, inventory_copy
+
+    env = RunsEnv(testbed, testbed.nodes[0], inventory_copy(testbed, tmp_path), tmp_path)
+    tag = secrets.token_hex(3)
+    ws, target = f"/root/trust-ws-{tag}", f"/root/trust-ws-target-{tag}"
+    env.node_sh(f"mkdir -p {ws} {target} && ln -s {target} {ws}/.dfo")
+    try:
+        job, _ = env.job("python3 count.py 2 0", {"count.py": COUNTER}, name=f"trustws-{tag}")
+        spec = yaml.safe_load(job.read_text())
+        spec.update(workspace=ws, venv=f"/root/trust-venv-{tag}", packages=[])
+        job.write_text(yaml.safe_dump(spec, sort_keys=False))
+        r = env.dfo(command, "-H", env.node.name, "-j", str(job))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"workspace: {ws}/.dfo is a symlink" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert env.node_sh(f"ls -A {target}") == ""  # no runs/, no .launch.lock, no provision record
+        assert env.node_sh(f"readlink {ws}/.dfo").strip() == target
+    finally:
+        env.node_sh(f"rm -rf {ws} {target} /root/trust-venv-{tag}")
