@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any, Callable, Dict, List, Set, Tuple
 
 from remote._proto import RemoteError
 from remote.fsutil import FILE_FLAGS, human_bytes
@@ -152,7 +153,7 @@ class Shipper:
 
     def _ready(self, includer, shipped, prefix, settle, final, p):
         """(files to ship now, files still settling) among those not shipped as they are."""
-        cache = []
+        cache: List[Set[Tuple[int, int]]] = []
 
         def open_w():
             if not cache:
@@ -162,7 +163,7 @@ class Shipper:
         while True:
             ready, pending = [], []
             now = time.time_ns()
-            inodes = {}
+            inodes: Dict[Tuple[int, int], str] = {}
             found = scan(self.root, includer, inodes)
             before, self._inodes = getattr(self, "_inodes", None), inodes
             before_names = set(before.values()) if before else set()
@@ -192,6 +193,7 @@ class Shipper:
         unknown = [(rel, st) for rel, st in ready if rel not in shipped.files]
         if not unknown:
             return ready
+        look: Callable[[str], Any]  # key -> {size, etag, sha256?} or None
         if len(unknown) > HEAD_AT_MOST:  # many (a restore put them back): one listing
             try:
                 listed = {o["key"]: o for o in self._client().list_objects(bucket, prefix, stop=self.stop)}
