@@ -248,8 +248,8 @@ def main() -> None:
                         dt, cpu, doc = b.run_up(tool, case, prefix)
                         b.check_and_drop(prefix, *res.sizes[case])
                         res.add(tool, case, dt, cpu)
-                        line = (f"round {rnd + 1} ({case}) {tool}: {dt:.2f}s = {res.sizes[case][1] / 1e6 / dt:.0f} MB/s,"
-                                f" CPU {cpu:.2f}s")
+                        line = (f"round {rnd + 1} ({case}) {tool}: {dt:.2f}s"
+                                f" = {res.sizes[case][1] / 1e6 / dt:.0f} MB/s, CPU {cpu:.2f}s")
                         if doc:
                             line += (f" [passes {doc['passes']}, shipped {doc['shipped']['files']},"
                                      f" last pass {doc['final']['seconds']:.2f}s]")

@@ -44,7 +44,8 @@ def timed(argv: list[str], expect: int = 0, env: dict[str, str] | None = None) -
     dt = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != expect:
-        raise SystemExit(f"startup: {' '.join(argv)} exited {r.returncode}, expected {expect}: {r.stderr.decode()[-500:]}")
+        raise SystemExit(f"startup: {' '.join(argv)} exited {r.returncode}, expected {expect}: "
+                         f"{r.stderr.decode()[-500:]}")
     return dt, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 

@@ -268,9 +268,11 @@ def main() -> int:
                     res = poll(inv, node.name, info["run"], n, NodeCpu(r"-m remote\.runs", netns, before), 1.0)
                 res.update(tool=tool, rate=rate, seconds=a.seconds)
                 results.append(res)
-                print(f"{tool:12s} {rate:7.0f} lines/s: {res['lines']} lines, latency median {res['median_ms']:.1f} ms, "
+                client_cpu = "-" if res["client_cpu_s"] is None else f"{res['client_cpu_s']:.2f} s"
+                print(f"{tool:12s} {rate:7.0f} lines/s: {res['lines']} lines, "
+                      f"latency median {res['median_ms']:.1f} ms, "
                       f"p99 {res['p99_ms']:.1f} ms, max {res['max_ms']:.1f} ms; node CPU {res['node_cpu_s']:.2f} s, "
-                      "client CPU " + ("-" if res["client_cpu_s"] is None else f"{res['client_cpu_s']:.2f} s"), flush=True)
+                      f"client CPU {client_cpu}", flush=True)
                 time.sleep(1)
         mem = memory(tb, dfo, work, a.memory_mb) if a.memory_mb > 0 else []
     if a.out:

@@ -33,7 +33,7 @@ from .errors import (
     RunFailed,
     VerifyError,
 )
-from .transport.ssh import Connection, Result
+from .transport.base import Result, Transport
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
 
@@ -101,7 +101,7 @@ def agent_dir_expr(digest: str) -> str:
     return f'"$HOME/.cache/dfo/agent/{digest}"'
 
 
-def upload_agent(conn: Connection) -> None:
+def upload_agent(conn: Transport) -> None:
     digest, data = bundle()
     d = agent_dir_expr(digest)
     cmd = (
@@ -123,7 +123,8 @@ def module_command(module: str, python: str, env: dict[str, str] | None = None, 
     return (
         f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
         f'command -v {shlex.quote(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
-        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} exec {shlex.quote(python)} {flags} -m {module} {argv}'
+        f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
+        f'exec {shlex.quote(python)} {flags} -m {module} {argv}'
     )
 
 
@@ -148,7 +149,7 @@ def plain_tail(text: str, limit: int = 400) -> str:
     return " | ".join(ln.strip() for ln in text.splitlines() if ln.strip())[-limit:]
 
 
-def parse_output(conn: Connection, res: Result, module: str) -> Any:
+def parse_output(conn: Transport, res: Result, module: str) -> Any:
     """The data of the module's result frame (found wherever it starts in its line), or its error raised."""
     for line in reversed(res.stdout.split("\n")):
         frame = split_frame(line)
@@ -177,7 +178,7 @@ _NO_RESULT_HINT = ("if a login file on the node (~/.bashrc, /etc/bash.bashrc) re
 
 
 def run_module(
-    conn: Connection,
+    conn: Transport,
     module: str,
     request: dict[str, Any] | None = None,
     *,

@@ -27,13 +27,15 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sync-data": ("data", "sync_data", "Copy the job's data.source (s3://bucket/prefix/) to data.dest on each node."),
     "sync-code": ("code", "sync_code", "Push the job's code: folder to the node (launch and up do it first)."),
     "pull": ("code", "pull_cmd", "Copy a run's files from the node to this machine, verified (default ./runs/RUN/)."),
-    "outputs": ("outputs", "outputs_cmd", "What a run shipped to outputs.dest: files, bytes, passes, last pass, lag, errors."),
+    "outputs": ("outputs", "outputs_cmd",
+                "What a run shipped to outputs.dest: files, bytes, passes, last pass, lag, errors."),
     "launch": ("runs", "launch_cmd", "Start the job's run.command detached on the node and watch its first seconds."),
     "tail": ("runs", "tail_cmd",
              "Follow a run's log until the run ends (RUN: an id or its unique prefix; default: the newest run)."),
     "status": ("runs", "status_cmd",
                "The runs on each host, newest first: id, job, state, started, duration, exit code, last line."),
-    "stop": ("runs", "stop_cmd", "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
+    "stop": ("runs", "stop_cmd",
+             "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
     "exec": ("exec", "exec_cmd", "Run a command on every host at once; output prefixed by host, exit status per host."),
     "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
     "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
@@ -43,7 +45,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def load_command(name: str) -> click.Command:
     """The click command `name`, importing its module now."""
     module, attr, _ = COMMANDS[name]
-    return getattr(importlib.import_module(f"orchestrator.commands.{module}"), attr)  # type: ignore[no-any-return]
+    command: click.Command = getattr(importlib.import_module(f"orchestrator.commands.{module}"), attr)
+    return command
 
 
 class DfoGroup(click.Group):
@@ -57,7 +60,8 @@ class DfoGroup(click.Group):
             self.add_command(load_command(cmd_name), cmd_name)
         return super().get_command(ctx, cmd_name)
 
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+    def resolve_command(self, ctx: click.Context, args: list[str]
+                        ) -> tuple[str | None, click.Command | None, list[str]]:
         name = click.utils.make_str(args[0])
         if name not in COMMANDS and name not in self.commands and not ctx.resilient_parsing:
             if name.startswith("-"):

@@ -15,7 +15,7 @@ class DfoConsole(Console):
     nor pads them: `dfo status | grep RUN` and `dfo launch > out.txt` keep every line whole, without
     trailing spaces. (rich alone would take the width of the terminal on stdin, else 80 columns.)"""
 
-    @property  # type: ignore[override]
+    @property
     def size(self) -> ConsoleDimensions:
         dims = Console.size.fget(self)  # type: ignore[attr-defined]
         return dims if self.is_terminal else ConsoleDimensions(WIDE, dims.height)
@@ -24,7 +24,7 @@ class DfoConsole(Console):
     def size(self, new_size: tuple[int, int]) -> None:
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
-    def print(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
+    def print(self, *objects: Any, **kw: Any) -> None:
         if self.is_terminal:
             super().print(*objects, **kw)
             return

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .errors import EXIT_UNEXPECTED, DfoError, HostError
 
-if TYPE_CHECKING:  # config (pydantic, yaml) and connection (fabric, paramiko) load when a session opens
+if TYPE_CHECKING:  # config (pydantic, yaml) and the transports (fabric, paramiko) load when a session opens
     from .config.models import Inventory, ResolvedHost
-    from .transport.ssh import Connection
+    from .transport.base import Transport
 
 T = TypeVar("T")
 PARALLEL = 16  # hosts worked on at once by default (SSH handshakes and agent checks cost CPU here)
@@ -77,7 +77,7 @@ class HostSession:
         self.hosts: dict[str, ResolvedHost] = {
             n: resolve_host(self.inventory, n, self.inventory_path) for n in self.names
         }
-        self._conns: dict[str, Connection] = {}
+        self._conns: dict[str, Transport] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -90,7 +90,7 @@ class HostSession:
         self._conns, self._lock = {}, threading.Lock()
         return self
 
-    def conn(self, name: str) -> Connection:
+    def conn(self, name: str) -> Transport:
         with self._lock:
             c = self._conns.get(name)
             if c is None:
@@ -99,7 +99,7 @@ class HostSession:
                 c = self._conns[name] = open_connection(self.hosts[name])
             return c
 
-    def each(self, fn: Callable[[Connection], T], names: list[str] | tuple[str, ...] | None = None,
+    def each(self, fn: Callable[[Transport], T], names: list[str] | tuple[str, ...] | None = None,
              on_done: Callable[[Outcome[T]], None] | None = None, parallel: int | None = PARALLEL
              ) -> list[Outcome[T]]:
         """Run ``fn(conn)`` on every host (or on ``names``, some of them) in parallel; one host's failure

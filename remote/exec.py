@@ -113,6 +113,7 @@ def run(command, timeout):
     proc = subprocess.Popen([login_shell(), "-lc", command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, env=env,
                             cwd=home if os.path.isdir(home) else "/")
+    assert proc.stdout is not None and proc.stderr is not None  # both PIPE
     streams = {proc.stdout.fileno(): ("o", Lines()), proc.stderr.fileno(): ("e", Lines())}
     open_fds = set(streams)
     deadline = start + timeout if timeout else None

@@ -7,7 +7,6 @@ import json
 import secrets
 import shlex
 import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.testbed import Testbed
+from tests._cli import dfo
 from tests._wheels import wheelhouse  # noqa: F401 - re-exported fixture
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -64,8 +64,7 @@ class Pv:
         return path
 
     def dfo(self, *args: str, inventory: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(inventory or self.tb.inventory_path), *args]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=self.tmp)
+        return dfo(inventory or self.tb.inventory_path, *args, timeout=timeout, cwd=self.tmp)
 
     def provision(self, job: Path, *extra: str, as_json: bool = True) -> tuple[subprocess.CompletedProcess[str],
                                                                              dict[str, Any] | None]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import Any
 import yaml
 
 from orchestrator.testbed import Node, Testbed
+from tests import _cli
 
 # A trainer stand-in: N numbered lines, D seconds apart, then exit with code E.
 COUNTER = """\
@@ -74,14 +73,12 @@ while True:
 
 def dfo(inv: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
         ) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a fresh interpreter, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200", **(env or {})))
+    """The real CLI (tests/_cli.py), with ``env`` added to this process's environment."""
+    return _cli.dfo(inv, *args, timeout=timeout, env=_cli.cli_env(**(env or {})))
 
 
 def dfo_popen(inv: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, COLUMNS="200", **(env or {})))
+    return _cli.dfo_popen(inv, *args, env=_cli.cli_env(**(env or {})))
 
 
 @dataclass

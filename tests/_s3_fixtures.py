@@ -8,7 +8,6 @@ import os
 import secrets
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from orchestrator.testbed import S3Endpoint, Testbed
+from tests import _cli
 
 MIB = 1 << 20
 
@@ -141,15 +141,13 @@ class Xfer:
         return env
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", "-i", str(self.tb.inventory_path), *args]
+        return _cli.dfo_argv(self.tb.inventory_path, *args)
 
     def dfo(self, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout, cwd=self.tmp,
-                              env=env or self.env(), stdin=subprocess.DEVNULL)
+        return _cli.dfo(self.tb.inventory_path, *args, timeout=timeout, cwd=self.tmp, env=env or self.env())
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        return subprocess.Popen(self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=self.tmp, env=env or self.env(), stdin=subprocess.DEVNULL)
+        return _cli.dfo_popen(self.tb.inventory_path, *args, cwd=self.tmp, env=env or self.env())
 
     def run_json(self, command: str, job: Path, *extra: str, env: dict[str, str] | None = None
                  ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:

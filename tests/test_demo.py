@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed
+from tests._cli import dfo
 
 pytestmark = pytest.mark.testbed
 
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.testbed
 @pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
 @pytest.mark.skipif(bool(Testbed.missing_requirements(s3=True)), reason="testbed cannot start here")
 def test_demo_runs_up_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--steps", "60", "--workdir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = dfo(None, "demo", "--steps", "60", "--workdir", str(tmp_path), timeout=600, env=dict(os.environ))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     for step in ("==> provision", "==> stage-model", "==> sync-data", "==> launch", "==> tail"):

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,14 +20,14 @@ from orchestrator.transport import open_connection
 from orchestrator.transport.base import STDERR_KEEP, Transport
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import Connection
+from tests import _cli
 
 on_testbed = pytest.mark.testbed
 
 
 def dfo(inv: Path, *args: str, env: dict[str, str] | None = None,
         timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200", **(env or {})))
+    return _cli.dfo(inv, *args, timeout=timeout, env=_cli.cli_env(**(env or {})))
 
 
 def inventory(tb, tmp_path: Path, kh: Path | None = None, **hosts: dict) -> Path:  # type: ignore[no-untyped-def]
@@ -294,7 +293,7 @@ def test_a_connection_killed_during_a_call_raises_connection_lost(testbed, tmp_p
         conn.close()
 
 
-@pytest.mark.parametrize("transport", ["ssh", "local"])
+@pytest.mark.parametrize("transport", [pytest.param("ssh", marks=on_testbed), "local"])
 def test_stderr_is_bounded_to_its_tail(transport: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if transport == "ssh":
         tb = request.getfixturevalue("testbed")

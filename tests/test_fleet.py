@@ -1,19 +1,20 @@
 """Fleet commands (issue 13): exec on every host at once, and per-host results printed as they come.
 
 Real sshd nodes (the testbed) and, for "a host that does not answer", a TCP listener in this test
-that accepts and never says a word (no SSH banner): dfo waits out its connect timeout there. Order
+that accepts and never says a word (no SSH banner): dfo waits there until the test lets it go (the
+listener hangs up once the fast host's result is on the screen), long before its connect timeout. Order
 is asserted from events (what the listener saw, what the node runs), never from durations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import _cli
+from tests._cli import dfo_argv
 from tests._s3_fixtures import upload
 
 pytestmark = pytest.mark.testbed
@@ -43,6 +46,7 @@ class SilentHost:
         self.open = 0
         self._lock = threading.Lock()
         self._stop = False
+        self._held: list[socket.socket] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -54,6 +58,7 @@ class SilentHost:
             with self._lock:
                 self.open += 1
                 self.events.append("accept")
+                self._held.append(c)
             threading.Thread(target=self._hold, args=(c,), daemon=True).start()
 
     def _hold(self, c: socket.socket) -> None:
@@ -70,6 +75,14 @@ class SilentHost:
     def held(self) -> bool:
         with self._lock:
             return self.open > 0
+
+    def hang_up(self) -> None:
+        """Drop the connections held now (dfo's wait for a banner ends: exit 4 for that host)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for c in held:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._stop = True
@@ -104,13 +117,12 @@ def env_for(tb: Any) -> dict[str, str]:
 
 
 def argv(inv: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args]
+    return dfo_argv(inv, *args)
 
 
 def dfo(inv: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
         ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv(inv, *args), capture_output=True, text=True, timeout=timeout,
-                          env=env or env_for(None), stdin=subprocess.DEVNULL)
+    return _cli.dfo(inv, *args, timeout=timeout, env=env or env_for(None))
 
 
 class Watched:
@@ -138,6 +150,15 @@ class Watched:
         for t in self.threads:
             t.join(10)
         return rc
+
+    def wait_for(self, stream: str, needle: str, timeout: float = 180) -> None:
+        """Until a line of ``stream`` holds ``needle`` (or dfo ended)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with self._lock:
+                if any(s == stream and needle in line for s, line, _ in self.lines):
+                    return
+            time.sleep(0.05)
 
     def first(self, stream: str, needle: str) -> tuple[int, Any]:
         """(index, probe value) of the first line of ``stream`` holding ``needle``."""
@@ -171,16 +192,18 @@ def test_a_fast_hosts_result_prints_while_a_dead_host_still_hangs(testbed2, sile
     """-H dead,node-1: node-1's result is on the screen while dfo still waits on the silent host (its
     connection is still held open by dfo); then the dead host's error, and exit 4 (the highest)."""
     node = testbed2.nodes[0]
-    inv = fleet_inventory(testbed2, tmp_path, connect_timeout=20,
+    inv = fleet_inventory(testbed2, tmp_path, connect_timeout=120,
                           dead={"host": "127.0.0.1", "port": silent.port})
     extra: list[str] = []
     if command != "verify-env":
         extra = ["-j", str(_xfer_job(testbed2, tmp_path, "data" if command == "sync-data" else "model"))]
     w = Watched(argv(inv, command, "-H", "dead", "-H", node.name, *extra), env_for(testbed2), silent.held)
+    fast_line = f"{node.name}: ok" if command == "verify-env" else f"{node.name}: {command}"
+    w.wait_for("out", fast_line)
+    silent.hang_up()  # the dead host never answers; dfo stops waiting on it when the listener hangs up
     rc = w.wait()
     out, err = w.text("out"), w.text("err")
     assert rc == 4, out + err
-    fast_line = f"{node.name}: ok" if command == "verify-env" else f"{node.name}: {command}"
     i_fast, dead_still_held = w.first("out", fast_line)
     i_dead, _ = w.first("err", "dead")
     assert dead_still_held, f"node-1's result came only after dfo gave up on the dead host:\n{out}\n{err}"
@@ -191,12 +214,14 @@ def test_a_fast_hosts_result_prints_while_a_dead_host_still_hangs(testbed2, sile
 def test_provision_prints_each_hosts_summary_as_it_is_done(testbed2, silent: SilentHost, tmp_path: Path
                                                            ) -> None:  # type: ignore[no-untyped-def]
     node = testbed2.nodes[0]
-    inv = fleet_inventory(testbed2, tmp_path, connect_timeout=40, dead={"host": "127.0.0.1", "port": silent.port})
+    inv = fleet_inventory(testbed2, tmp_path, connect_timeout=120, dead={"host": "127.0.0.1", "port": silent.port})
     job = tmp_path / "pv.yaml"
     job.write_text(yaml.safe_dump({"name": "fleetpv", "installer": "pip", "venv": "/root/fleet-venv",
                                    "packages": []}))
     w = Watched(argv(inv, "provision", "-H", "dead", "-H", node.name, "-j", str(job)), env_for(testbed2),
                 silent.held)
+    w.wait_for("out", f"{node.name}: provisioned", 240)
+    silent.hang_up()
     rc = w.wait(240)
     out, err = w.text("out"), w.text("err")
     assert rc == 4, out + err
@@ -237,7 +262,7 @@ def test_exec_streams_each_host_and_a_timeout_kills_the_slow_hosts_group(testbed
         testbed2.node_exec(n1, f"touch {go}")
 
     threading.Thread(target=release_node1, daemon=True).start()
-    w = Watched(argv(inv, "exec", "-H", n1.name, "-H", n2.name, "--timeout", "25", "--", "bash", "-c", script),
+    w = Watched(argv(inv, "exec", "-H", n1.name, "-H", n2.name, "--timeout", "12", "--", "bash", "-c", script),
                 env_for(None), lambda: bool(node_pids(testbed2, n2, marker)))
     rc = w.wait()
     out, err = w.text("out"), w.text("err")
@@ -339,10 +364,9 @@ def test_exec_local_transport_timeout_kills_the_group(tmp_path: Path) -> None:
 
 
 def test_exec_usage_errors_are_exit_2() -> None:
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "exec", "-H", "x"], capture_output=True, text=True)
+    r = _cli.dfo(None, "exec", "-H", "x", env=dict(os.environ))
     assert r.returncode == 2 and "CMD" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "exec", "-H", "x", "--timeout", "0", "--", "true"],
-                       capture_output=True, text=True)
+    r = _cli.dfo(None, "exec", "-H", "x", "--timeout", "0", "--", "true", env=dict(os.environ))
     assert r.returncode == 2 and "timeout" in r.stderr.lower()
 
 

@@ -17,7 +17,6 @@ import re
 import secrets
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from click.testing import CliRunner
 from orchestrator.cli import cli
 from orchestrator.config.models import load_job
 from orchestrator.errors import ConfigError
+from tests._cli import dfo, dfo_popen
 from tests._runs_fixtures import RunsEnv, inventory_copy
 
 on_testbed = pytest.mark.testbed
@@ -53,9 +53,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_dfo(inv: Path | None, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The real CLI with stdout and stderr to pipes, as `dfo ... | grep` or `> file` runs it."""
-    pre = ["-i", str(inv)] if inv is not None else []
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *pre, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or cli_env(), cwd=cwd)
+    return dfo(inv, *args, env=env or cli_env(), cwd=cwd, timeout=timeout)
 
 
 def pasted(cmd: str) -> list[str]:
@@ -331,8 +329,7 @@ def test_printed_commands_work_when_pasted(henv: Env) -> None:
     assert again.returncode == 2 and f"-i {e.inv} tail -H {node} -j {job}" in again.stderr, again.stderr
     st = e.cli(*pasted(hints["status"]))
     assert st.returncode == 0 and "running" in st.stdout, st.stdout + st.stderr
-    follow = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *pasted(hints["follow"])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    follow = dfo_popen(None, *pasted(hints["follow"]), env=cli_env())
     time.sleep(3)
     assert follow.poll() is None  # it found the run and follows it
     sp = e.cli(*pasted(hints["stop"]))

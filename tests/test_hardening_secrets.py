@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import shlex
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests._cli import dfo
 from tests._provision_fixtures import Pv, node_wheelhouse, pv, wheelhouse  # noqa: F401
 from tests._runs_fixtures import RunsEnv, inventory_copy
 from tests._wheels import build_wheel
@@ -233,8 +233,7 @@ def test_a_bad_spec_with_credentials_is_exit_2_without_them(tmp_path: Path) -> N
                                    "index": {"extra_urls": ["https://u:IDXSECRET@h/simple  x"]}}))
     inv = tmp_path / "inv.yaml"
     inv.write_text("defaults: {known_hosts: %s}\nhosts:\n  me: {transport: local}\n" % (tmp_path / "kh"))
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "provision", "-H", "me", "-j",
-                        str(job)], capture_output=True, text=True, timeout=60)
+    r = dfo(inv, "provision", "-H", "me", "-j", str(job), timeout=60, env=dict(os.environ))
     assert r.returncode == 2, r.stderr
     assert "BADSPECSECRET" not in r.stdout + r.stderr and "https://***@h/foo.whl" in r.stderr
 
@@ -291,9 +290,8 @@ def test_local_transport_gives_the_trainer_an_allow_listed_environment(tmp_path:
         "CUDA_VISIBLE_DEVICES": "0,1", "LANG": "C.UTF-8", "HF_HOME": str(tmp_path / "hf"),
         "PIP_INDEX_URL": "https://u:pipSECRETvalue@h/simple", "WANDB_API_KEY": "wandbDECLARED",
     })
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "launch", "-H", "me", "-j",
-                        str(job), "--json", "--wait", "10"], capture_output=True, text=True, timeout=120,
-                       env=controller, cwd=tmp_path)
+    r = dfo(inv, "launch", "-H", "me", "-j", str(job), "--json", "--wait", "10", timeout=120, env=controller,
+            cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     run = json.loads(r.stdout)["hosts"]["me"]["run"]
     log = (ws / ".dfo" / "runs" / run / "log").read_text()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from orchestrator.transport.ssh import Result, _Collector
+from tests._cli import dfo_argv
 from tests._runs_fixtures import COUNTER, RunsEnv, dfo_popen, expected_lines, inventory_copy
 
 on_testbed = pytest.mark.testbed
@@ -217,8 +218,7 @@ def _run_measured(inv: Path, args: tuple[str, ...], sink: Callable[[bytes], None
                   timeout: float = 120) -> tuple[int, float, str]:
     """Run the CLI, hand its stdout to ``sink`` as it comes; (exit code, peak RSS in MiB, stderr)."""
     rss_file = tmp / f"maxrss-{time.monotonic_ns()}"
-    argv = [sys.executable, "-c", _MAXRSS_WRAPPER, str(rss_file), sys.executable, "-m", "orchestrator.cli",
-            "-i", str(inv), *args]
+    argv = [sys.executable, "-c", _MAXRSS_WRAPPER, str(rss_file), *dfo_argv(inv, *args)]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, COLUMNS="200"))
     assert p.stdout is not None and p.stderr is not None
     err: list[bytes] = []

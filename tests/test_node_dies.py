@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -29,16 +28,11 @@ from orchestrator.demo.data import write_data, write_model
 from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed, TestbedError
 from orchestrator.testbed import system as tsys
+from tests._cli import dfo, dfo_argv, dfo_popen
 
 pytestmark = pytest.mark.testbed
 
 MakeTestbed = Callable[..., Testbed]
-
-
-def dfo(inv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a fresh interpreter, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
 
 
 def _spaces(pid: int) -> set[tuple[str, int]]:
@@ -161,7 +155,7 @@ def _shipped_files(doc: Any) -> int | None:
 
 
 class Story:
-    """Runs dfo commands and keeps a transcript (the README's "When a node dies" is made from it)."""
+    """Runs dfo commands and keeps a transcript (docs/recovery.md, "When a node dies", is made from it)."""
 
     def __init__(self, cwd: Path, env: dict[str, str], out: Path) -> None:
         self.cwd, self.env, self.out = cwd, env, out  # cwd holds inventory.yaml (dfo's default) and the job
@@ -172,12 +166,11 @@ class Story:
         self.out.write_text("\n".join(self.lines) + "\n")
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", *args]
+        return dfo_argv(None, *args)
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         t0 = time.monotonic()
-        r = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout, env=self.env,
-                           cwd=self.cwd)
+        r = dfo(None, *args, timeout=timeout, env=self.env, cwd=self.cwd)
         self.note(f"$ dfo {' '.join(args)}\n{r.stdout}{r.stderr}[exit {r.returncode}, {time.monotonic() - t0:.1f}s]")
         return r
 
@@ -185,8 +178,7 @@ class Story:
         """A long command (up): its output (stdout and stderr) goes to the transcript as it comes."""
         t0 = time.monotonic()
         self.note(f"$ dfo {' '.join(args)}")
-        proc = subprocess.Popen(self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env, cwd=self.cwd)
+        proc = dfo_popen(None, *args, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
         timer = threading.Timer(timeout, proc.kill)
         timer.start()
         out: list[str] = []
@@ -229,8 +221,8 @@ def _two_ships_then_vanish(tb: Testbed, story: Story, node: Any, job: Path, buck
     in EXPECT was running there), and the laptop's `dfo up`, still following a dead node, gets Ctrl-C
     DETACH_AFTER seconds later (it would retry for 5 minutes)."""
     s3 = tb.s3.client()  # type: ignore[union-attr]
-    up = subprocess.Popen(story.argv("up", "-H", node.name, "-j", job.name), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=story.env, cwd=story.cwd)
+    up = dfo_popen(None, "up", "-H", node.name, "-j", job.name, stderr=subprocess.STDOUT, env=story.env,
+                   cwd=story.cwd)
     try:
         etags: list[str] = []
         deadline = time.monotonic() + ship_timeout
@@ -290,7 +282,8 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
 
     # 1. dfo up on node A, with outputs: (it provisions, stages, syncs, launches and tails)
     # 2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, "demo", key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, "demo", key,
+                           ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=300, detach_after=15)
     shipped = s3.get_object(Bucket="demo", Key=key)["Body"].read()
     step = ckpt_step(shipped)
@@ -420,7 +413,8 @@ def test_a_node_dies_and_the_run_goes_on_without_torch(make_testbed: MakeTestbed
     t0 = time.monotonic()
 
     # 1. dfo up on node A, with outputs:  2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, bucket, key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, bucket, key,
+                           ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=120, detach_after=1)
     shipped = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     step = shipped["step"]

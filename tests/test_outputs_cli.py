@@ -9,7 +9,6 @@ import os
 import secrets
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from orchestrator.testbed import Testbed
+from tests._cli import dfo
 from tests._runs_fixtures import inventory_copy
 
 on_testbed = pytest.mark.testbed
@@ -80,9 +80,7 @@ class OutEnv:
         return env
 
     def dfo(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(self.inv), *args],
-                              capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=self.tmp,
-                              stdin=subprocess.DEVNULL)
+        return dfo(self.inv, *args, timeout=timeout, env=self.env(), cwd=self.tmp)
 
     def json(self, *args: str, expect: int = 0, timeout: float = 180) -> dict[str, Any]:
         r = self.dfo(*args, "--json", timeout=timeout)
@@ -172,8 +170,7 @@ def test_restore_says_nothing_at_an_empty_dest_and_restore_false_skips_it(oenv: 
 def test_restore_needs_credentials_before_any_host_is_touched(oenv: OutEnv) -> None:
     job, _ = oenv.job(n=0)
     env = {k: v for k, v in oenv.env().items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(oenv.inv), "launch", "-H", "nosuchhost",
-                        "-j", str(job)], capture_output=True, text=True, timeout=60, env=env, cwd=oenv.tmp)
+    r = dfo(oenv.inv, "launch", "-H", "nosuchhost", "-j", str(job), timeout=60, env=env, cwd=oenv.tmp)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no S3 credentials found" in r.stderr and "nosuchhost" not in r.stderr
 
@@ -199,8 +196,7 @@ def test_a_bad_outputs_field_is_exit_2_with_file_line(tmp_path: Path, field: str
     inv.write_text("hosts:\n  n1:\n    address: 127.0.0.1\n")
     for argv in (["launch", "-H", "n1", "-j", str(job)], ["outputs", "-H", "n1", "-j", str(job)],
                  ["up", "-H", "n1", "-j", str(job)]):
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *argv], capture_output=True,
-                           text=True, timeout=60)
+        r = dfo(inv, *argv, timeout=60, env=dict(os.environ))
         assert r.returncode == 2, (argv, r.stdout + r.stderr)
         assert f"{job}:4" in r.stderr and f"outputs.{field}" in r.stderr and says in r.stderr, (argv, r.stderr)
 

@@ -26,6 +26,7 @@ import pytest
 
 import remote
 from remote._proto import split_frame
+from tests._cli import dfo
 
 REMOTE_ROOT = Path(remote.__file__).resolve().parent
 
@@ -351,8 +352,7 @@ class ShipBed:
         env.update({"AWS_ACCESS_KEY_ID": self.s3.access_key, "AWS_SECRET_ACCESS_KEY": secret or self.s3.secret_key,
                     "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
                     "COLUMNS": "200"})
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(self.inv), *args],
-                              capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+        return dfo(self.inv, *args, timeout=timeout, env=env)
 
     def sh(self, cmd: str) -> str:
         r = self.tb.node_exec(self.node, cmd, timeout=30)

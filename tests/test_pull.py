@@ -39,8 +39,9 @@ class PullEnv:
         src.mkdir()
         (src / "writer.py").write_text(WRITER)
         self.job = tmp / "job.yaml"
-        self.job.write_text(yaml.safe_dump({"name": f"p-{secrets.token_hex(3)}", "venv": "/usr", "code": {"source": "src"},
-                                            "run": {"workdir": self.workdir, "command": "python3 writer.py", "wait": 0}}))
+        self.job.write_text(yaml.safe_dump({
+            "name": f"p-{secrets.token_hex(3)}", "venv": "/usr", "code": {"source": "src"},
+            "run": {"workdir": self.workdir, "command": "python3 writer.py", "wait": 0}}))
         r = dfo(self.inv, "launch", "-H", self.node.name, "-j", str(self.job), "--json",
                 env={"XDG_CACHE_HOME": str(tmp / "cache")})
         assert r.returncode == 0, r.stderr

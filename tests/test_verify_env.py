@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests._cli import dfo
+
 pytestmark = pytest.mark.testbed
-
-
-def dfo(inv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def inventory_copy(tb, tmp_path: Path, **extra_hosts: dict) -> Path:  # type: ignore[no-untyped-def]

@@ -140,7 +140,8 @@ def _thread(name: str, fn: Any, errors: list[str]) -> threading.Thread:
         try:
             fn()
         except BaseException as exc:  # recorded per trial
-            errors.append(f"{name}: {type(exc).__name__}: {exc} | {traceback.format_exc(limit=-1).strip().splitlines()[-3].strip()}")
+            where = traceback.format_exc(limit=-1).strip().splitlines()[-3].strip()
+            errors.append(f"{name}: {type(exc).__name__}: {exc} | {where}")
     return threading.Thread(target=body, name=name)
 
 
@@ -216,7 +217,8 @@ def main() -> int:
     summary: dict[str, Any] = {
         "script": "autotune_race.py", "guard": args.guard, "trials": args.trials,
         "torch": torch.__version__, "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE, "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
+        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
+        "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
         "counts": counts, "examples": examples, "seconds": round(time.perf_counter() - t0, 2),
         "guard_report": guard_report,
     }

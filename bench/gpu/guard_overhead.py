@@ -47,7 +47,8 @@ def _cpu_bench(fn: Callable[[], Any], quantiles: Any = None) -> list[float]:
     return [1.0, 1.0, 1.0]
 
 
-@triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((256, 2), (512, 4), (1024, 4), (2048, 8))],
+@triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w)
+                          for b, w in ((256, 2), (512, 4), (1024, 4), (2048, 8))],
                  key=["N"], do_bench=_cpu_bench if DEVICE == "cpu" else None)
 @triton.jit
 def tiny_add(x, y, out, N, BLOCK: tl.constexpr):

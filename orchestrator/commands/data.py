@@ -24,7 +24,7 @@ from ..cli_common import (
 )
 from ..config.models import LoadedJob, load_job
 from ..steps.transfer import ProgressView, TransferReport, What, build_request, transfer
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 from .report_view import print_moved, print_names
 
 if TYPE_CHECKING:
@@ -60,7 +60,8 @@ COMMON_HELP = """\
 def _render(host: str, r: TransferReport, command: str) -> None:
     verified = ", ".join(f"{k} {v}" for k, v in sorted(r.verified.items()))
     with _OUT:
-        print_moved(host, command, r, detail=f" = {r.mb_per_s:.1f} MB/s" + (f"; verified: {verified}" if verified else ""))
+        print_moved(host, command, r,
+                    detail=f" = {r.mb_per_s:.1f} MB/s" + (f"; verified: {verified}" if verified else ""))
         # dest safety (docs/data.md): files swapped on the node, files --delete left because they are not dfo's
         print_names(r.changed, r.changed_files, "changed on the node since dfo wrote {them}, fetched again")
         print_names(r.kept, r.kept_files, "changed on the node since dfo wrote {them}, not deleted")
@@ -85,7 +86,7 @@ def run_transfer(s: HostSession, loaded: LoadedJob, what: What, request: dict[st
     """The transfer on every host of the session, on its one connection (a progress bar on a terminal
     unless ``quiet``); ``on_done(outcome)`` as each host finishes (HostSession.each)."""
     with ProgressView(console, enabled=not quiet) as view:
-        def one(conn: Connection) -> TransferReport:
+        def one(conn: Transport) -> TransferReport:
             return transfer(conn, loaded, what, request, on_event=view.callback(conn.name))
 
         return s.each(one, on_done=on_done)

@@ -49,10 +49,11 @@ def _clean_up(wd: Path, made_here: bool, why: str) -> None:
 
 
 @click.command("demo")
-@click.option("--keep", is_flag=True, help="Leave the node and S3 endpoint up (until Ctrl-C) and print how to reach them.")
+@click.option("--keep", is_flag=True,
+              help="Leave the node and S3 endpoint up (until Ctrl-C) and print how to reach them.")
 @click.option("--wheels", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_WHEELS,
-              show_default=True, help="Wheel folder for the node's venv (CPU torch, numpy, uv); in a checkout `bash .ci/setup --demo` "
-                   "fills it.")
+              show_default=True, help="Wheel folder for the node's venv (CPU torch, numpy, uv); in a checkout "
+                   "`bash .ci/setup --demo` fills it.")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Training steps.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the testbed keeps its files, kept afterwards (default: a new temporary folder, "

@@ -11,7 +11,7 @@ from ..cli_common import hosts_option, job_option, json_option, session
 
 if TYPE_CHECKING:
     from ..steps.outputs import OutputsReport, ShipReport
-    from ..transport.ssh import Connection
+    from ..transport.base import Transport
 
 _OUT = threading.Lock()
 
@@ -34,12 +34,12 @@ def render_outputs(host: str, r: OutputsReport) -> None:
             return
         console.print(f"{head}: outputs {safe(r.state)}", soft_wrap=True, highlight=False)
         if r.path or r.dest:
-            console.print(f"  {safe(r.path or '?')} -> {safe(r.dest or '?')}" + (f", every {r.every:g}s" if r.every else ""),
-                          soft_wrap=True, highlight=False)
+            every = f", every {r.every:g}s" if r.every else ""
+            console.print(f"  {safe(r.path or '?')} -> {safe(r.dest or '?')}{every}", soft_wrap=True, highlight=False)
         lag = f"; lag {r.lag_s:.0f}s" if r.lag_s is not None else ""
         console.print(f"  shipped {files(r.shipped.get('files', 0))} ({human_bytes(r.shipped.get('bytes', 0))}) in "
-                      f"{r.passes} pass{'es' if r.passes != 1 else ''} ({r.failed_passes} failed); {r.pending} pending{lag}", soft_wrap=True,
-                      highlight=False)
+                      f"{r.passes} pass{'es' if r.passes != 1 else ''} ({r.failed_passes} failed); "
+                      f"{r.pending} pending{lag}", soft_wrap=True, highlight=False)
         for label, p in (("last pass", r.last_pass), ("final pass", r.final)):
             if not p or (label == "last pass" and r.final and p.get("n") == r.final.get("n")):
                 continue
@@ -140,7 +140,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
     notes = LogLines(len(sess.names) > 1, quiet=True)
     job = loaded.job.name if loaded else None
 
-    def one(conn: Connection) -> Any:
+    def one(conn: Transport) -> Any:
         ws = run_workspace(conn, loaded)
         info = outputs_of(conn, ws, run, job)
         if run is None:
@@ -149,12 +149,14 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
         if not ship:
             return steps.OutputsReport.of(info)
         o = info.outputs or {}
-        spec = steps.outputs_spec(loaded, info.id) if loaded and loaded.job.outputs and loaded.job.outputs.dest else None
+        spec = (steps.outputs_spec(loaded, info.id)
+                if loaded and loaded.job.outputs and loaded.job.outputs.dest else None)
         if not o and spec is None:
             raise UsageError(f"run {info.id} ships no outputs: its job had no outputs.dest when it was launched"
                              + ("" if loaded else " (or give -j JOB with outputs.dest to ship with it)"))
         p = steps.ship(conn, ws, info.id, loaded)
-        return steps.ShipReport.of(conn.name, info.id, p, source=str(p.get("path") or o.get("path") or (spec or {}).get("path") or "?"),
+        return steps.ShipReport.of(conn.name, info.id, p,
+                                   source=str(p.get("path") or o.get("path") or (spec or {}).get("path") or "?"),
                                    dest=str(p.get("dest") or o.get("dest") or (spec or {}).get("dest") or "?"),
                                    before=o.get("shipped"))
 
@@ -162,7 +164,7 @@ def outputs_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job
         outcomes = sess.each(one)
     if ship:
         code = emit(outcomes, as_json, lambda r: r.model_dump(), render_ship)
-        failed = any(o.error is None and not o.value.ok for o in outcomes)
+        failed = any(o.error is None and o.value is not None and not o.value.ok for o in outcomes)
         return max(code, EXIT_VERIFY if failed else 0)
     return emit(outcomes, as_json, lambda r: r.model_dump(), render_outputs)
 

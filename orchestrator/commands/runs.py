@@ -29,7 +29,7 @@ from ..steps import fleet
 from ..steps import runs as steps
 from ..steps.gang import check_hosts, is_gang
 from ..steps.outputs import final_line as outputs_final
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 from .runs_follow import follow_hosts
 from .runs_follow import run_workspace as _workspace
 from .runs_gang import gang_line, gang_summary
@@ -184,7 +184,7 @@ class _LaunchView:
 
 def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: float, force: bool, quiet: bool,
              multi: bool, gang: dict[str, Any] | None = None
-             ) -> tuple[Callable[[Connection], fleet.Launched], Callable[[str, fleet.Launched], None],
+             ) -> tuple[Callable[[Transport], fleet.Launched], Callable[[str, fleet.Launched], None],
                         dict[str, steps.RunInfo]]:
     """(launch on one connection, render one host's result, the runs started so far by host).
     ``gang``: filled with {"plan": GangPlan} before the launch when the job is a gang's."""
@@ -192,7 +192,7 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
     assert run is not None
     view = _LaunchView(ctx, job_path, LogLines(multi, quiet=quiet), quiet=quiet, multi=multi, workdir=run.workdir)
 
-    def one(conn: Connection) -> fleet.Launched:
+    def one(conn: Transport) -> fleet.Launched:
         return fleet.launch_and_watch(conn, loaded, view, window=window, force=force, plan=(gang or {}).get("plan"))
 
     def render(host: str, r: fleet.Launched) -> None:
@@ -245,7 +245,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     that exact offset: every line is printed once, in order. It ends when the run has ended and
     its log is drained: exit 0 when the run succeeded, 5 when it failed, was stopped or was lost
     (with a diagnosis on stderr). A run with outputs: is followed until the last pass of its
-    shipper (after the run ended) has finished or failed, and a line on stderr says which. Ctrl-C detaches and leaves the run alone: exit 130.
+    shipper (after the run ended) has finished or failed, and a line on stderr says which.
+    Ctrl-C detaches and leaves the run alone: exit 130.
     Log lines go to stdout exactly as the trainer wrote them; dfo's own notes go to stderr.
     With -j, runs are looked up in the job's workspace and RUN defaults to that job's newest run;
     without RUN or -j it is the newest run of any job there. Without RUN, the run taken (and its
@@ -264,7 +265,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
     with sess:
-        code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded, job_path=job_path)
+        code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded,
+                                  job_path=job_path)
     return code
 
 
@@ -275,7 +277,8 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
 @hosts_option
 @click.argument("run", required=False)
 @job_option(required=False)
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Show at most this many runs per host.")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Show at most this many runs per host.")
 @json_option
 @click.pass_context
 def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_path: str | None, limit: int,
@@ -300,7 +303,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
-    def one(conn: Connection) -> list[steps.RunInfo]:
+    def one(conn: Transport) -> list[steps.RunInfo]:
         return steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
                             limit=limit)
 
@@ -309,8 +312,8 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     gang = gang_summary(outcomes) if run is not None else None
     to_json = lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump()  # noqa: E731
     if gang is None:
-        return emit(outcomes, as_json, to_json, lambda host, runs: render_status(ctx, host, runs, detail=run is not None,
-                                                                                  job_path=job_path))
+        return emit(outcomes, as_json, to_json,
+                    lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
     if as_json:
         print_json({**hosts_json(outcomes, to_json), "gang": gang})
         return exit_code_of(outcomes)
@@ -351,7 +354,7 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
     loaded = load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
-    def one(conn: Connection) -> steps.RunInfo:
+    def one(conn: Transport) -> steps.RunInfo:
         return steps.stop(conn, _workspace(conn, loaded), run, grace, job=loaded.job.name if loaded else None,
                           outputs_wait=outputs_wait)
 

@@ -23,10 +23,10 @@ from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
     from ..hosts import HostSession, Outcome
-    from ..transport.ssh import Connection
+    from ..transport.base import Transport
 
 
-def run_workspace(conn: Connection, loaded: LoadedJob | None) -> str:
+def run_workspace(conn: Transport, loaded: LoadedJob | None) -> str:
     """Where the runs are: the job's workspace, else the host's."""
     return job_workspace(loaded.job if loaded else None, conn.host.workspace)
 
@@ -57,8 +57,8 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
 
     def detached() -> None:
         for host in sess.names:
-            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running (resume: {safe(view.resume(host))})",
-                              highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running "
+                              f"(resume: {safe(view.resume(host))})", highlight=False, soft_wrap=True)
 
     def on_sigint(signum: int, frame: object) -> None:
         # Ctrl-C while following: leave at once. Nothing on the node needs cleaning up, and closing
@@ -86,7 +86,8 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
         if o.error is not None:
             report_error(o.error)
             continue
-        info: steps.RunInfo = o.value
+        info = o.value
+        assert info is not None  # no error: one() returned it
         if no_follow:
             err_console.print(f"dfo: {safe(o.host)}: run {safe(info.id)}: {safe(info.state)}", highlight=False,
                               soft_wrap=True)

@@ -35,9 +35,11 @@ def render(host: str, r: VerifyReport) -> None:
     row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
     row("python3", f"{f.python} ({f.python_executable})")
     for name, d in f.disk.items():
-        row(f"free {name}", f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
+        row(f"free {name}",
+            f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
     if f.nvidia.present:
-        row("nvidia", f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
+        row("nvidia",
+            f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
         for g in f.nvidia.gpus:
             row(f"  gpu {g.index}", f"{g.name}, {_gib(g.memory)}, sm_{(g.capability or '?').replace('.', '')}")
     else:
@@ -47,9 +49,9 @@ def render(host: str, r: VerifyReport) -> None:
     if f.venv_python:
         row("job python", f.venv_python + ("" if f.venv_python_exists else " (missing)"))
     if r.provision:
-        p = r.provision
-        row("provisioned", f"{p.get('finished') or p.get('time') or '?'} ({len(p.get('steps', []))} steps, "
-                                 f"{len(p.get('warnings', []))} warnings)")
+        prov = r.provision
+        row("provisioned", f"{prov.get('finished') or prov.get('time') or '?'} ({len(prov.get('steps', []))} steps, "
+                                 f"{len(prov.get('warnings', []))} warnings)")
     console.print(t)
     if r.packages:
         pt = Table("package", "installed", box=None, pad_edge=False, header_style="bold")
@@ -77,7 +79,8 @@ def render(host: str, r: VerifyReport) -> None:
 @hosts_option
 @job_option(required=False)
 @click.option("--gpu", is_flag=True, help="Also run the GPU preflight with the job's interpreter: each GPU seen by "
-              "torch, its arch in the torch build, a Triton kernel, and an FLA Gated DeltaNet op when FLA is installed.")
+              "torch, its arch in the torch build, a Triton kernel, and an FLA Gated DeltaNet op when FLA is "
+              "installed.")
 @json_option
 @click.pass_context
 def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | None, gpu: bool, as_json: bool) -> int:

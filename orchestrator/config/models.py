@@ -101,7 +101,8 @@ def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path
     for group, members in inv.groups.items():
         for m in members:
             if m not in inv.hosts and m not in inv.groups:
-                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}", hint="add it under hosts: or fix the name")
+                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}",
+                                  hint="add it under hosts: or fix the name")
     return inv, p
 
 
@@ -144,8 +145,9 @@ def _ssh_config_error(files: list[Path], exc: Exception) -> ConfigError:
                        hint="fix the line (see ssh_config(5)), or point DFO_SSH_CONFIG at another file")
 
 
-def _ssh_config_lookup(alias: str) -> dict[str, object]:
-    """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded)."""
+def _ssh_config_lookup(alias: str) -> dict[str, Any]:
+    """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded). Values
+    are strings, but lists for the keys that may repeat (identityfile)."""
     cfg = ssh_configuration()
     try:
         return dict(cfg.base_ssh_config.lookup(alias))
@@ -155,7 +157,7 @@ def _ssh_config_lookup(alias: str) -> dict[str, object]:
                                 else [path, Path("/etc/ssh/ssh_config")], exc) from None
 
 
-def _proxy(own: str | None, sshc: dict[str, object], default: str | None) -> tuple[str | None, str | None]:
+def _proxy(own: str | None, sshc: dict[str, Any], default: str | None) -> tuple[str | None, str | None]:
     """(ProxyJump, ProxyCommand): the host's own proxy_jump, else ~/.ssh/config's ProxyJump or
     ProxyCommand, else defaults.proxy_jump. ``none`` is a direct connection."""
     if own:
@@ -195,11 +197,11 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         if entry.transport == "ssh" and not os.path.exists(identities[0]):
             raise ConfigError(f"{inv_path}: hosts.{name}.identity: {identities[0]} does not exist",
                               hint="point it at the private key for this host")
-    identities += [absolute(str(i)) for i in sshc.get("identityfile", []) or []]  # type: ignore[union-attr]
+    identities += [absolute(str(i)) for i in sshc.get("identityfile", []) or []]
     if d.identity and os.path.exists(absolute(d.identity)):
         identities.append(absolute(d.identity))  # a missing default key falls back to ssh's own keys/agent
     kh = absolute(d.known_hosts)
-    port = entry.port or (int(sshc["port"]) if "port" in sshc else None) or d.port or 22  # type: ignore[arg-type]
+    port = entry.port or (int(sshc["port"]) if "port" in sshc else None) or d.port or 22
     proxy_jump, proxy_command = _proxy(entry.proxy_jump, sshc, d.proxy_jump)
     return ResolvedHost(
         name=name,
@@ -309,7 +311,8 @@ class OutputsConfig(Strict):
     {run_id} are expanded in path and dest; an object's key is dest + the path relative to path."""
 
     path: Annotated[str, AfterValidator(jobrules.outputs_path)] = "/workspace/checkpoints/{name}"
-    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None  # s3://bucket/prefix/; none: nothing ships
+    # s3://bucket/prefix/; none: nothing ships
+    dest: Annotated[str | None, AfterValidator(jobrules.outputs_dest)] = None
     every: float = Field(default=300.0, gt=0)  # seconds between passes; one last pass after the run ends
     settle: float = Field(default=10.0, ge=0)  # a file ships once unchanged this long
     include: list[str] = ["**"]  # gitignore-style patterns
@@ -382,7 +385,7 @@ class Job(Strict):
     def _run_sections(cls, v: RunConfig | None, info: ValidationInfo) -> RunConfig | None:
         """run.command's {model.dest} / {data.dest} need their section (model: and data: are read first)."""
         if v is not None:
-            present = {k: info.data[k] is not None for k in ("model", "data") if k in info.data}
+            present: dict[str, bool] = {k: info.data[k] is not None for k in ("model", "data") if k in info.data}
             try:
                 jobrules.command_placeholders(v.command, present)
             except PydanticCustomError as exc:
@@ -401,7 +404,8 @@ class LoadedJob(BaseModel):
     def need(self, section: str) -> object:
         value = getattr(self.job, section)
         if value is None:
-            raise ConfigError(f"{self.path}: this command needs a '{section}:' section", hint="see the README's job file reference")
+            raise ConfigError(f"{self.path}: this command needs a '{section}:' section",
+                              hint="see docs/configuration.md, Job files")
         return value
 
 

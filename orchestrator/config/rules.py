@@ -91,7 +91,8 @@ def transfer_source(source: str, section: str) -> str:
     src = source.strip()
     kind = source_kind(src)
     if kind not in (("s3",) if section == "data" else ("s3", "hf", "path")):
-        want = "s3://bucket/prefix/" if section == "data" else "s3://bucket/prefix/, hf://org/name or /a/path/on/the/node"
+        want = ("s3://bucket/prefix/" if section == "data"
+                else "s3://bucket/prefix/, hf://org/name or /a/path/on/the/node")
         raise fail(f"{src!r} is not {want}")
     if kind == "s3" and (len(src) <= 5 or src[5] == "/"):
         raise fail(f"{src!r} names no bucket: write it as s3://bucket/prefix/")

@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from ..errors import ConfigError
 
@@ -39,10 +40,10 @@ def line_in_file(path: Path, loc: tuple[Any, ...]) -> int:
         return 1
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     msg = err.get("msg", "invalid")
     if err.get("type") == "extra_forbidden":
-        return "unknown field (check the spelling; see the README's file reference)"
+        return "unknown field (check the spelling; see docs/configuration.md)"
     if err.get("type") == "missing":
         return "field required"
     if err.get("type") in {"int_parsing", "int_type"}:

@@ -40,6 +40,7 @@ from ..terminal import clean
 from .codetree import (
     LocalFile,
     Pushed,
+    Reader,
     cached_tree_digest,
     fill_hashes,
     list_code,
@@ -51,7 +52,7 @@ from .codetree import (
 from .report import MoveReport
 
 if TYPE_CHECKING:
-    from ..transport.ssh import Connection
+    from ..transport.base import Transport
 
 PUSH_TIMEOUT_S = 24 * 3600.0
 
@@ -63,6 +64,8 @@ class CodeReport(MoveReport):
     what: str = Field(default="code", exclude=True)
     warnings: list[str] = []
     in_git: bool = False
+    took_over: str | None = None  # this push took the folder over from that job ("": a manifest naming none)
+    released: int = 0  # that job's files this push left in place (not deleted, no longer dfo's)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.model_dump(), "sent": self.fetched}
@@ -134,7 +137,7 @@ def start_local(loaded: LoadedJob) -> Local:
     return Local(loaded)
 
 
-def _call(conn: Connection, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
+def _call(conn: Transport, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
     from ..agent import NODE, run_module
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
@@ -148,23 +151,31 @@ def _stderr(host: str) -> Callable[[str], None]:
     return say
 
 
-def node_key(conn: Connection, dest: str) -> str:
+def node_key(conn: Transport, dest: str) -> str:
     """Names the node and dest for the cache of what the last push left there."""
     h = conn.host
     return f"{h.user}@{h.hostname}:{h.port}\0{conn.name}\0{dest}"
 
 
 def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], bytes]:
+    """The entries and the bytes of the files to send, each read without following a symlink on its
+    path (codetree.Reader: a folder swapped for a link since the listing is refused, never read)."""
     entries, chunks = [], []
-    for rel in to_send:
-        f = local.files[rel]
-        if f.link is not None:
-            entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
-            continue
-        data = (local.source / rel).read_bytes()
-        sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
-        entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
-        chunks.append(data)
+    reader: Reader | None = None
+    try:
+        for rel in to_send:
+            f = local.files[rel]
+            if f.link is not None:
+                entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
+                continue
+            reader = reader or Reader(local.source)
+            data = reader.read_bytes(f.via or rel)
+            sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
+            entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
+            chunks.append(data)
+    finally:
+        if reader is not None:
+            reader.close()
     return entries, b"".join(chunks)
 
 
@@ -174,7 +185,7 @@ def _diff(view: dict[str, dict[str, object]], node: dict[str, Any], dirty: set[s
     return to_send, sorted(rel for rel in node if rel not in view)
 
 
-def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
+def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
               note: Callable[[str], None] | None = None, local: Local | None = None) -> CodeReport:
     """Push the job's code to the node; only changed files travel. Raises the DfoError of a failure.
 
@@ -187,23 +198,31 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
     if local is None:
         local = start_local(loaded)
     dest = local.dest
+    # the job that owns what it pushes there (remote.files.push: another job's live run refuses this push)
+    who = {"dest": dest, "job": loaded.job.name, "workspace": loaded.job.workspace or conn.host.workspace,
+           "host": conn.name}
     known = Pushed(node_key(conn, dest))
     state: dict[str, Any] | None = None
     if known.digest is None:  # nothing known of the node: its manifest, asked while the files here are listed
-        state = _call(conn, {"op": "state", "dest": dest})
+        state = _call(conn, {"op": "state", **who})
     local.result()
     files = local.files
     base: dict[str, Any] | None = None
     if state is None and known.digest != local.digest:  # changed here since the last push: what, exactly
         base = known.files()
         if base is None:  # the cache went away meanwhile
-            state = _call(conn, {"op": "state", "dest": dest})
+            state = _call(conn, {"op": "state", **who})
     total_bytes = sum(f.size for f in files.values())
     sent = nbytes = deleted = kept_n = 0
     kept: list[str] = []
     notes: list[str] = []
     warned: set[str] = set()
     real = dest
+    took_over: str | None = None
+    released = 0
+    takeover = False  # another job's folder (its owner has no live run): send the whole tree, delete nothing
+    to_send: list[str]
+    to_delete: list[str]
 
     def remember() -> None:  # what the node now holds, for the next push's guess
         if known.digest != local.digest:
@@ -216,9 +235,13 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
                           fetched=sent, skipped=len(files) - sent, deleted=deleted, bytes=nbytes,
                           seconds=round(secs, 3), mb_per_s=round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0,
                           files_total=len(files), bytes_total=total_bytes, kept=kept_n,
-                          kept_files=sorted(kept)[:10], warnings=notes, in_git=local.in_git)
+                          kept_files=sorted(kept)[:10], warnings=notes, in_git=local.in_git,
+                          took_over=took_over, released=released)
 
-    if state is not None:
+    if state is not None and state.get("foreign"):
+        real, takeover = state["dest"], True
+        to_send, to_delete = sorted(local.view()), []
+    elif state is not None:
         real = state["dest"]
         dirty = set(state.get("dirty") or [])
         if not dirty and files and state.get("digest") == local.digest:
@@ -238,19 +261,34 @@ def push_code(conn: Connection, loaded: LoadedJob, warn: Callable[[str], None] |
         notes += new
         warned.update(to_send)
         entries, payload = _stream(local, to_send)
-        done = _call(conn, {"op": "sync", "dest": dest, "want": local.digest, "files": entries, "delete": to_delete},
-                     payload, timeout=PUSH_TIMEOUT_S)
+        done = _call(conn, {"op": "sync", **who, "want": local.digest, "files": entries, "delete": to_delete,
+                            "takeover": takeover}, payload, timeout=PUSH_TIMEOUT_S)
         real = done["dest"]
         sent, nbytes, deleted = sent + done["sent"], nbytes + done["bytes"], deleted + done["deleted"]
         kept += done.get("kept_files") or []
         kept_n += done.get("kept") or 0
+        if done.get("took_over") is not None:
+            took_over, released = done["took_over"], released + int(done.get("released") or 0)
         if done.get("match"):
             remember()
             break
+        if done.get("foreign") and not attempt:  # another job's folder, not running: take it over (whole tree)
+            takeover, to_send, to_delete = True, sorted(local.view()), []
+            continue
+        takeover = False
         to_send, to_delete = _diff(local.view(), done.get("files") or {}, set(done.get("dirty") or []))
         if attempt or (not to_send and not to_delete):
             break  # the node changed under this push (another push into the same dest): reported as it went
-    status = "done" if sent or deleted else "no change"
+    status = "done" if sent or deleted or took_over is not None else "no change"
     if status == "done":
-        note(f"code: sent {sent} file{'s' if sent != 1 else ''} ({human_bytes(nbytes)}), deleted {deleted}, to {real}")
+        note(f"code: sent {sent} file{'s' if sent != 1 else ''} ({human_bytes(nbytes)}), deleted {deleted}, to {real}"
+             + (f"; {took_over_line(took_over, released)}" if took_over is not None else ""))
     return report(status)
+
+
+def took_over_line(owner: str, released: int) -> str:
+    """What a takeover did, in words (for the report and launch's note)."""
+    prev = f"job {owner}" if owner else "a push that named no job (an older dfo)"
+    left = f"{released} of its file{'s' if released != 1 else ''} left in place, not deleted" if released else \
+        "none of its files left behind"
+    return f"took the folder over from {prev} (no live run): {left}"

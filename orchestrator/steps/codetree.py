@@ -14,6 +14,7 @@ left there (``Pushed``): what the next push sends without asking first.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ class LocalFile:
     link: str | None  # a symlink's target (relative, inside the tree)
     sha256: str | None = None
     key: tuple[int, int, int] = (0, 0, 0)  # (size, mtime_ns, inode) for the hash cache
+    via: str | None = None  # where it is read from when a folder on its path is a symlink (its real path, relative)
 
 
 # --------------------------------------------------------------------------- gitignore-style patterns
@@ -125,31 +127,181 @@ def _link_target(source: Path, real_source: str, rel: str) -> str:
     return target
 
 
+class _Dirs:
+    """Where each folder of the listing really is: a folder with a symlink on its path resolves elsewhere.
+    One realpath per folder (not per file); None when the real path leaves the source."""
+
+    def __init__(self, source: Path, real_source: str) -> None:
+        self.source, self.real_source = source, real_source
+        self.seen: dict[str, str | None] = {}
+
+    def real(self, d: str) -> str | None:
+        """``d``'s real path relative to the source ("" for the source itself), or None when outside it."""
+        if d not in self.seen:
+            real = os.path.realpath(os.path.join(self.source, d))
+            if real == self.real_source:
+                self.seen[d] = ""
+            elif real.startswith(self.real_source.rstrip("/") + "/"):
+                self.seen[d] = real[len(self.real_source.rstrip("/")) + 1:]
+            else:
+                self.seen[d] = None
+        return self.seen[d]
+
+    def first_link(self, d: str) -> str:
+        """The first folder on ``d``'s path that is a symlink (``d`` itself when none is found)."""
+        parts = d.split("/")
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if os.path.islink(os.path.join(self.source, sub)):
+                return sub
+        return d
+
+
+def _through_link(source: Path, dirs: _Dirs, listed: set[str], rel: str) -> tuple[bool, str | None]:
+    """A path whose folders include a symlink: (skip it, where to read it from).
+
+    Its real path outside the source: refused (exit 2, naming it). Inside: when the symlinked folder
+    travels itself (as a link), the file is skipped, as git would commit it (a tracked path beyond a
+    symlink is gone) and the link brings it on the node; when the link is not pushed (ignored,
+    excluded), the file travels as a plain file, read from its real path."""
+    d, _, name = rel.rpartition("/")
+    real_d = dirs.real(d)
+    link = dirs.first_link(d)
+    if real_d is None:
+        target = os.readlink(os.path.join(source, link)) if os.path.islink(os.path.join(source, link)) else "?"
+        raise ConfigError(f"code: {rel} lies beyond the symlink {link} -> {target}, which leads outside {source}; "
+                          "dfo pushes nothing whose real path is outside the code folder",
+                          hint=f"replace {link} with a real folder, or add {link}/ to code.exclude")
+    if link in listed:
+        return True, None
+    via = f"{real_d}/{name}" if real_d else name
+    if never_pushed(via):
+        raise ConfigError(f"code: {rel} lies beyond the symlink {link}, which leads into {real_d or '.'}, "
+                          "where dfo never pushes from (.git or a .dfo name)",
+                          hint=f"replace {link} with a real folder, or add it to code.exclude")
+    return False, via
+
+
 def list_code(source: Path, exclude: list[str]) -> tuple[dict[str, LocalFile], bool]:
-    """rel -> LocalFile (hashes not yet filled), and whether git chose the files."""
+    """rel -> LocalFile (hashes not yet filled), and whether git chose the files.
+
+    A path with a symlink among its folders (git lists a tracked file whose folder became a link; the
+    walk never enters a linked folder) is refused unless its real path stays under the source."""
     names = _git_files(source)
     in_git = names is not None
     ex = Excluder(exclude)
     real_source = os.path.realpath(source)
     base = str(source) + "/"
+    listed = [rel for rel in (names if names is not None else _walk(source))
+              if not (never_pushed(rel) or ex.excluded(rel))]
+    dirs = _Dirs(source, real_source)
+    listed_set: set[str] | None = None
     files: dict[str, LocalFile] = {}
     lstat = os.lstat
-    for rel in names if names is not None else _walk(source):
-        if never_pushed(rel) or ex.excluded(rel):
-            continue
+    for rel in listed:
+        via = None
+        d = rel.rpartition("/")[0]
+        if d and dirs.real(d) != d:  # a symlink on the path
+            if listed_set is None:
+                listed_set = set(listed)
+            skip, via = _through_link(source, dirs, listed_set, rel)
+            if skip:
+                continue
         try:
-            st = lstat(base + rel)
-        except FileNotFoundError:
+            st = lstat(base + (via or rel))
+        except (FileNotFoundError, NotADirectoryError):
             continue  # deleted from the work tree: gone, as git would commit it
+        except OSError as exc:  # a symlink loop on the path
+            raise ConfigError(f"code: {source / rel}: {exc.strerror}", hint="fix the path, or add it to code.exclude") \
+                from None
         if not rel.isascii():
             _check_name(source, rel)
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
         if stat.S_ISLNK(st.st_mode):
-            files[rel] = LocalFile(0, None, _link_target(source, real_source, rel), key=key)
+            if via is not None:  # inside the tree both here (its real place) and on the node (at rel)
+                _link_target(source, real_source, via)
+            files[rel] = LocalFile(0, None, _link_target(source, real_source, rel), key=key, via=via)
         elif stat.S_ISREG(st.st_mode):
-            files[rel] = LocalFile(st.st_size, 0o755 if st.st_mode & 0o100 else 0o644, None, key=key)
+            files[rel] = LocalFile(st.st_size, 0o755 if st.st_mode & 0o100 else 0o644, None, key=key, via=via)
         # a folder here is a git submodule: its files are not pushed (documented)
     return files, in_git
+
+
+class Reader:
+    """Opens the code's files for reading without following any symlink: every folder on the path is
+    opened relative to its parent with O_NOFOLLOW | O_DIRECTORY, the file itself with O_NOFOLLOW.
+    A folder swapped for a symlink after the listing is refused (exit 2), never read through."""
+
+    MAX_FDS = 64
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.root = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.fds: dict[str, int] = {}
+
+    def _refuse(self, rel: str, why: str) -> ConfigError:
+        return ConfigError(f"code: {self.source / rel}: {why}; dfo reads no code through a symlinked folder",
+                           hint="it changed while dfo read the code: look at it, then push again")
+
+    def _dir(self, d: str, rel: str) -> int:
+        if not d:
+            return self.root
+        fd = self.fds.get(d)
+        if fd is None:
+            if len(self.fds) >= self.MAX_FDS:
+                self._close_dirs()
+            parent, _, name = d.rpartition("/")
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._dir(parent, rel))
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise self._refuse(rel, f"{d} is not a folder now (a symlink?)") from None
+                raise
+            self.fds[d] = fd
+        return fd
+
+    def open(self, rel: str) -> int:
+        """A file descriptor of the regular file ``rel`` (relative to the source)."""
+        d, _, name = rel.rpartition("/")
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir(d, rel))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._refuse(rel, "it is a symlink now") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._refuse(rel, "it is not a regular file now")
+        return fd
+
+    def read_bytes(self, rel: str) -> bytes:
+        with os.fdopen(self.open(rel), "rb") as f:
+            return f.read()
+
+    def sha256(self, rel: str) -> str:
+        h = hashlib.sha256()
+        with os.fdopen(self.open(rel), "rb", buffering=0) as f:
+            while True:
+                buf = f.read(1 << 20)
+                if not buf:
+                    return h.hexdigest()
+                h.update(buf)
+
+    def _close_dirs(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def close(self) -> None:
+        self._close_dirs()
+        os.close(self.root)
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- hashes
@@ -158,16 +310,6 @@ def list_code(source: Path, exclude: list[str]) -> tuple[dict[str, LocalFile], b
 def _cache_path(source: Path) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
     return base / (hashlib.sha256(str(source).encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            buf = f.read(1 << 20)
-            if not buf:
-                return h.hexdigest()
-            h.update(buf)
 
 
 def fill_hashes(source: Path, files: dict[str, LocalFile]) -> None:
@@ -179,17 +321,23 @@ def fill_hashes(source: Path, files: dict[str, LocalFile]) -> None:
         cache = {}
     new: dict[str, list[object]] = {}
     changed = False
-    for rel, f in files.items():
-        if f.link is not None:
-            f.sha256 = hashlib.sha256(f.link.encode("utf-8", "surrogateescape")).hexdigest()
-            continue
-        hit = cache.get(rel)
-        if isinstance(hit, list) and len(hit) == 4 and tuple(hit[:3]) == f.key:
-            f.sha256 = str(hit[3])
-        else:
-            f.sha256 = _sha256(source / rel)
-            changed = True
-        new[rel] = [*f.key, f.sha256]
+    reader: Reader | None = None
+    try:
+        for rel, f in files.items():
+            if f.link is not None:
+                f.sha256 = hashlib.sha256(f.link.encode("utf-8", "surrogateescape")).hexdigest()
+                continue
+            hit = cache.get(rel)
+            if isinstance(hit, list) and len(hit) == 4 and tuple(hit[:3]) == f.key:
+                f.sha256 = str(hit[3])
+            else:
+                reader = reader or Reader(source)
+                f.sha256 = reader.sha256(f.via or rel)
+                changed = True
+            new[rel] = [*f.key, f.sha256]
+    finally:
+        if reader is not None:
+            reader.close()
     if changed or len(new) != len(cache):
         try:
             cpath.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -292,7 +440,8 @@ def warnings(source: Path, files: dict[str, LocalFile], to_send: list[str]) -> l
     out: list[str] = []
     big = sorted(((files[r].size, r) for r in to_send if files[r].size > BIG_FILE), reverse=True)
     if big:
-        names = ", ".join(f"{r} ({human_bytes(s)})" for s, r in big[:5]) + (f" and {len(big) - 5} more" if len(big) > 5 else "")
+        names = ", ".join(f"{r} ({human_bytes(s)})" for s, r in big[:5])
+        names += f" and {len(big) - 5} more" if len(big) > 5 else ""
         out.append(f"code: {len(big)} file{'s' if len(big) != 1 else ''} over {BIG_FILE // 1_000_000} MB in {source}: "
                    f"{names}; did you mean to exclude {'them' if len(big) != 1 else 'it'}? (code.exclude)")
     if to_send and len(files) > BIG_TREE:

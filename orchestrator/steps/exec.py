@@ -98,7 +98,7 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
 
     start = time.monotonic()
     limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S
-    data = run_module(conn, NODE.exec, {"command": command_text(argv), "timeout": timeout},  # type: ignore[arg-type]
+    data = run_module(conn, NODE.exec, {"command": command_text(argv), "timeout": timeout},
                       timeout=limit, on_event=on_event)
     data = data if isinstance(data, dict) else {}
     return ExecResult(conn.name, int(data.get("exit", 1)), float(data.get("seconds") or time.monotonic() - start),

@@ -25,7 +25,7 @@ from .gang import is_gang
 from .workspace import job_workspace
 
 if TYPE_CHECKING:
-    from ..transport.ssh import Connection
+    from ..transport.base import Transport
 
 Lines = Callable[[str], None]
 OnEvent = Callable[[dict[str, Any]], None]
@@ -91,7 +91,7 @@ def prepare_gang(sess: HostSession, loaded: LoadedJob, gang: dict[str, Any]) -> 
     return plan
 
 
-def launch_and_watch(conn: Connection, loaded: LoadedJob, view: LaunchView, *, window: float, force: bool,
+def launch_and_watch(conn: Transport, loaded: LoadedJob, view: LaunchView, *, window: float, force: bool,
                      plan: Any = None) -> Launched:
     """Launch the job's run on one host (``plan``: the gang's, when it is one), then follow its log for
     ``window`` seconds. A refusal (a live run of the job) and a lost link name the dfo commands that
@@ -174,7 +174,7 @@ def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follo
             show(text)
         return on_line
 
-    def one(conn: Connection) -> runs.RunInfo:
+    def one(conn: Transport) -> runs.RunInfo:
         ws = job_workspace(loaded.job if loaded else None, conn.host.workspace)
         job = loaded.job.name if loaded else None
         current[conn.name] = the_run = run
@@ -196,7 +196,8 @@ def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follo
     for o in outcomes:
         if o.error is not None:
             if isinstance(o.error, ConnectionLost):
-                o.error.hint = f"the run is not affected; resume with: {view.resume(o.host, current.get(o.host) or run)}"
+                again = view.resume(o.host, current.get(o.host) or run)
+                o.error.hint = f"the run is not affected; resume with: {again}"
             code = max(code, o.error.exit_code)
         elif not no_follow:
             info = o.value
@@ -259,7 +260,7 @@ class UpView(Protocol):
 def live_runs(sess: HostSession, loaded: LoadedJob) -> list[Outcome[str | None]]:
     """The job's live run on each host (its id, or None)."""
 
-    def one(conn: Connection) -> str | None:
+    def one(conn: Transport) -> str | None:
         found = runs.status(conn, job_workspace(loaded.job, conn.host.workspace), job=loaded.job.name, limit=5)
         return next((r.id for r in found if r.state == "running"), None)
 

@@ -206,7 +206,8 @@ def preflight_problems(job_name: str, facts: Mapping[str, Mapping[str, Any]]) ->
                 problems.append(f"{h}: no {kind} manifest at {ref_m.get('path')}, {hosts[0]} has "  # type: ignore[union-attr]
                                 f"{_manifest_text(ref_m)} (run dfo sync-data/stage-model -H {h} -j JOB)")  # type: ignore[arg-type]
             elif ref_m is None:
-                problems.append(f"{h}: {kind} at {m.get('path')}: {_manifest_text(m)}, {hosts[0]} has no {kind} manifest")
+                problems.append(f"{h}: {kind} at {m.get('path')}: {_manifest_text(m)}, "
+                                f"{hosts[0]} has no {kind} manifest")
             else:
                 same_shape = (m.get("files"), m.get("bytes"), m.get("source")) == \
                     (ref_m.get("files"), ref_m.get("bytes"), ref_m.get("source"))
@@ -290,8 +291,10 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
     def check(conn: Any) -> Any:
         node = plan.node(conn.host.name)
         if node.rank == 0:
+            # the watch port listens where the gang watch will: rank 0's gang address only
             req = {"op": "listen", "ports": ports, "token": token, "expect": len(plan.nodes) - 1,
-                   "window": CHECK_WINDOW_S}
+                   "window": CHECK_WINDOW_S, "bind": {"ports": [plan.watch_port], "address": plan.master.address,
+                                                      "peer": plan.nodes[1].address}}
         else:
             req = {"op": "connect", "address": plan.master.address, "ports": ports, "token": token,
                    "rank": node.rank, "window": CHECK_WINDOW_S - 2}

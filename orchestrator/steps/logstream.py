@@ -31,7 +31,7 @@ from typing import Any
 
 from ..agent import NODE, run_module
 from ..errors import ConnectionLost, DfoError, HostError, HostKeyError, NoResult, RemoteCommandError
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 
 HEARTBEAT_S = 2.0
 STALL_S = 8.0
@@ -96,7 +96,7 @@ class _Watchdog:
     """Closes the connection when nothing (not even a heartbeat) arrived for ``stall_s``: a dead
     link looks like silence, and closing is what makes the blocked call return."""
 
-    def __init__(self, conn: Connection, stall_s: float) -> None:
+    def __init__(self, conn: Transport, stall_s: float) -> None:
         self.conn, self.stall_s = conn, stall_s
         self.last = time.monotonic()
         self.armed = self.fired = False
@@ -161,7 +161,7 @@ class _Stream:
 
 
 def stream(
-    conn: Connection,
+    conn: Transport,
     request: dict[str, Any],
     *,
     run: str | None,
@@ -235,7 +235,7 @@ def stream(
         dog.close()
 
 
-def _reconnect(conn: Connection, attempt: int, lost_since: float, budget: float, resume: str) -> int:
+def _reconnect(conn: Transport, attempt: int, lost_since: float, budget: float, resume: str) -> int:
     """Reconnect with exponential backoff (0.5 s doubling to 8 s) until ``budget`` s after the loss."""
     while True:
         time.sleep(min(0.5 * 2 ** attempt, 8.0))

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from ..agent import NODE, run_module
 from ..config.models import LoadedJob, OutputsConfig
 from ..errors import RemoteCommandError
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 from .report import MoveReport
 
 
@@ -88,7 +88,7 @@ class RestoreReport(MoveReport):
     why: str | None = None  # skipped: outputs.path holds files already
 
 
-def look(conn: Connection, path: str) -> tuple[str, str]:
+def look(conn: Transport, path: str) -> tuple[str, str]:
     """("missing" | "empty" | "full" | "notdir", the path expanded on the node): remote.runs op ``look``.
     dfo's own .dfo names do not count: a folder holding only them is empty."""
     data = run_module(conn, NODE.runs, {"op": "look", "path": path}, timeout=60)
@@ -113,7 +113,7 @@ def restore_request(loaded: LoadedJob, run_id: str, path: str) -> dict[str, Any]
     }
 
 
-def restore(conn: Connection, loaded: LoadedJob, run_id: str,
+def restore(conn: Transport, loaded: LoadedJob, run_id: str,
             on_event: Callable[[dict[str, Any]], None] | None = None) -> RestoreReport | None:
     """Before a launch: fetch outputs.dest into outputs.path when the node lacks it (missing, or holding
     nothing but dfo's .dfo names). None when the job does not restore (no outputs:, no dest, restore:
@@ -201,7 +201,8 @@ class ShipReport(MoveReport):
                    bytes=int(p.get("bytes") or 0), seconds=float(p.get("seconds") or 0.0),
                    mb_per_s=float(p.get("mb_per_s") or 0.0), dest=dest, source=source,
                    files_total=int(p.get("files_total") or (before.get("files") or 0) + files + skipped),
-                   bytes_total=int(p.get("bytes_total") or (before.get("bytes") or 0) + int(p.get("bytes") or 0)), pending=int(p.get("pending") or 0),
+                   bytes_total=int(p.get("bytes_total") or (before.get("bytes") or 0) + int(p.get("bytes") or 0)),
+                   pending=int(p.get("pending") or 0),
                    changed_during=int(p.get("changed_during") or 0), error=p.get("error"))
 
 
@@ -209,7 +210,7 @@ def request(workspace: str, run: str | None, job: str | None) -> dict[str, Any]:
     return {"workspace": workspace, "run": run, "job": job}
 
 
-def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
+def ship(conn: Transport, workspace: str, run: str, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A pass now for run ``run`` (an id: resolve RUN first with ``outputs``): the run's shipper does it
     when it is alive, else the node runs one itself with the spec (and credentials) sent here, which
@@ -218,7 +219,8 @@ def ship(conn: Connection, workspace: str, run: str, loaded: LoadedJob | None,
     if loaded is not None and loaded.job.outputs is not None and loaded.job.outputs.dest:
         req["outputs"] = outputs_spec(loaded, run)
         req["outputs_credentials"] = outputs_credentials(loaded)
-    return run_module(conn, NODE.runs, req, timeout=7 * 24 * 3600.0, on_event=on_event)  # type: ignore[no-any-return]
+    passed: dict[str, Any] = run_module(conn, NODE.runs, req, timeout=7 * 24 * 3600.0, on_event=on_event)
+    return passed
 
 
 def summary_line(o: dict[str, Any] | None) -> str | None:
@@ -258,7 +260,8 @@ def final_line(o: dict[str, Any] | None) -> tuple[str, bool] | None:
     p = o.get("final") or o.get("last_pass") or {}
     dest = o.get("dest") or "?"
     if o.get("state") == "failed" or (p and not p.get("ok", True)):
-        err = p.get("error") or next((e.get("error") for e in reversed(o.get("errors") or [])), None) or "see dfo outputs"
+        err = (p.get("error") or next((e.get("error") for e in reversed(o.get("errors") or [])), None)
+               or "see dfo outputs")
         return f"outputs: last pass FAILED: {err}", True
     if o.get("state") != "done":
         return f"outputs: the last pass has not finished (state {o.get('state')}); see dfo outputs", False

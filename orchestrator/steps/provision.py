@@ -22,7 +22,7 @@ from ..agent import NODE, run_module
 from ..config.models import Job, LoadedJob
 from ..errors import EXIT_OK, DfoError
 from ..hosts import Outcome
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 
 INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the whole run gets one per step
 
@@ -46,7 +46,7 @@ class ProvisionReport(BaseModel):
         return cls(host=host, ok=False, error=err.to_json(), exit_code=err.exit_code)
 
 
-def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = False,
+def provision_request(job: Job, conn: Transport, *, clear_triton_cache: bool = False,
                       install_timeout: float = INSTALL_TIMEOUT_S) -> dict[str, Any]:
     dirs = [job.run.workdir] if job.run is not None else []
     env = job.run.env if job.run is not None else {}
@@ -65,7 +65,7 @@ def provision_request(job: Job, conn: Connection, *, clear_triton_cache: bool = 
     }
 
 
-def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool = False,
+def provision(conn: Transport, loaded: LoadedJob, *, clear_triton_cache: bool = False,
               on_step: Callable[[dict[str, Any]], None] | None = None,
               install_timeout: float = INSTALL_TIMEOUT_S) -> ProvisionReport:
     """Provision one host. Verification failures come back as a report with ok=False and its exit code;
@@ -95,7 +95,8 @@ def provision(conn: Connection, loaded: LoadedJob, *, clear_triton_cache: bool =
         )
     data = redact_obj(data)
     return ProvisionReport(host=conn.name, ok=True, steps=data.get("steps") or [], warnings=data.get("warnings") or [],
-                           problems=[], record=data.get("record"), packages=_asked(job, data.get("packages_after") or {}))
+                           problems=[], record=data.get("record"),
+                           packages=_asked(job, data.get("packages_after") or {}))
 
 
 def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:
@@ -108,7 +109,7 @@ def _asked(job: Job, packages: dict[str, str]) -> dict[str, str | None]:
 
 def _problems(rep: dict[str, Any], message: str) -> list[dict[str, Any]]:
     """The failed step as a problem first, then what pkgcheck found wrong in the venv."""
-    failed = next((s for s in reversed(rep.get("steps") or []) if s.get("status") == "failed"), {})
+    failed: dict[str, Any] = next((s for s in reversed(rep.get("steps") or []) if s.get("status") == "failed"), {})
     key = None
     if failed.get("asked"):
         try:

@@ -30,7 +30,7 @@ from ..config.rules import PLACEHOLDERS, fill_placeholders
 from ..config.yamlpos import line_in_file
 from ..diagnosis import Diagnosis, diagnose
 from ..errors import ConfigError
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 from .workspace import job_workspace, run_dir_of
@@ -212,7 +212,8 @@ def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
             value = os.environ.get(name)
             if value is None:
                 line = line_in_file(loaded.path, ("run", "secret_env", run.secret_env.index(name)))
-                raise ConfigError(f"{loaded.path}:{line}: run.secret_env: {name} is not set in this shell's environment",
+                raise ConfigError(f"{loaded.path}:{line}: run.secret_env: {name} is not set in this shell's "
+                                  "environment",
                                   hint=f"export {name}=... before launching (it reaches the node on stdin only)")
             secret[name] = value
     return plain, secret
@@ -226,7 +227,8 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     for rel in run.upload:
         local = loaded.path.parent / rel
         if not local.is_file():
-            raise ConfigError(f"{loaded.path}: run.upload: {local} is not a file", hint="paths are relative to the job file")
+            raise ConfigError(f"{loaded.path}: run.upload: {local} is not a file",
+                              hint="paths are relative to the job file")
         clash = [u for u in out if u["path"] == local.name]
         if clash:
             raise ConfigError(f"{loaded.path}: run.upload: {rel!r} and {clash[0]['_rel']!r} would both land as "
@@ -237,7 +239,7 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     return out
 
 
-def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
+def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
            note: Callable[[str], None] | None = None,
            on_event: Callable[[dict[str, Any]], None] | None = None, gang: Any = None) -> RunInfo:
     """Start the job's run detached on the node; returns once the trainer has a pid. First the code
@@ -281,7 +283,8 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
         node = gang.node(conn.host.name)
         req["command"] = node.command
         req["env"] = {**plain, **node.env}  # the gang's ranks and addresses win over run.env
-        peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if node.gloo_ifname else None
+        # the peer: for gloo's interface, and where rank 0's watch listens when its gang address is NAT'd
+        peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if len(gang.nodes) > 1 else None
         req["gang"] = {"rank": node.rank, "hosts": [n.host for n in gang.nodes], "hub": gang.master.address,
                        "port": gang.watch_port, "secret": gang.secret, "gloo_ifname": node.gloo_ifname,
                        "address": node.address, "peer": peer}
@@ -304,20 +307,20 @@ def launch(conn: Connection, loaded: LoadedJob, *, force: bool = False, run_id: 
 # --------------------------------------------------------------------------- status / stop / read
 
 
-def status(conn: Connection, workspace: str, run: str | None = None, job: str | None = None,
+def status(conn: Transport, workspace: str, run: str | None = None, job: str | None = None,
            limit: int = 20) -> list[RunInfo]:
     data = run_module(conn, NODE.runs, {"op": "status", "workspace": workspace, "run": run, "job": job,
                                      "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
     return [RunInfo.model_validate(r) for r in data["runs"]]
 
 
-def outputs_of(conn: Connection, workspace: str, run: str | None, job: str | None) -> RunInfo:
+def outputs_of(conn: Transport, workspace: str, run: str | None, job: str | None) -> RunInfo:
     """The run with its outputs record in full (dfo outputs)."""
     data = run_module(conn, NODE.runs, {"op": "outputs", "workspace": workspace, "run": run, "job": job}, timeout=60)
     return RunInfo.model_validate(data)
 
 
-def stop(conn: Connection, workspace: str, run: str, grace: float | None = None, job: str | None = None,
+def stop(conn: Transport, workspace: str, run: str, grace: float | None = None, job: str | None = None,
          outputs_wait: float = 0) -> RunInfo:
     """Stop the run; with ``outputs_wait`` > 0, also wait up to that long for a stopped run's last
     outputs pass (it ships the checkpoint the trainer left)."""
@@ -327,7 +330,7 @@ def stop(conn: Connection, workspace: str, run: str, grace: float | None = None,
     return RunInfo.model_validate(data)
 
 
-def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
+def read_lines(conn: Transport, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
                job: str | None = None) -> RunInfo:
     """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end, streamed
     (memory stays bounded however big the log); a lost connection is an error at once."""
@@ -336,7 +339,7 @@ def read_lines(conn: Connection, workspace: str, run: str | None, lines: int | s
 
 
 def follow(
-    conn: Connection,
+    conn: Transport,
     workspace: str,
     *,
     run: str | None = None,

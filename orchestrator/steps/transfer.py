@@ -26,7 +26,7 @@ from ..agent import NODE, run_module
 from ..config.models import LoadedJob, S3Config
 from ..config.rules import source_kind
 from ..errors import ConfigError, HostError, HostKeyError, NoResult
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 from .report import MoveReport
 from .workspace import job_workspace
 
@@ -76,7 +76,8 @@ def controller_credentials(s3: S3Config, job_path: Path) -> dict[str, str | None
         where = f"profile {s3.profile!r} in ~/.aws" if s3.profile else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws"
         raise ConfigError(f"{job_path}: no S3 credentials found on this machine ({where}, SSO, ...)",
                           hint="export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set s3.profile; "
-                               "s3.credentials: node uses the node's own; s3.credentials: anonymous for a public bucket")
+                               "s3.credentials: node uses the node's own; "
+                               "s3.credentials: anonymous for a public bucket")
     return {"access_key": frozen.access_key, "secret_key": frozen.secret_key, "session_token": frozen.token}
 
 
@@ -116,7 +117,7 @@ def build_request(loaded: LoadedJob, what: What, delete: bool | None = None) -> 
 # --------------------------------------------------------------------------- the node
 
 
-def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str, Any],
+def transfer(conn: Transport, loaded: LoadedJob, what: What, request: dict[str, Any],
              on_event: Callable[[dict[str, Any]], None] | None = None) -> TransferReport:
     """Run the node side; return its summary, or raise the DfoError its failure maps to."""
     module = NODE.sync if what == "data" else NODE.stage
@@ -142,7 +143,8 @@ def transfer(conn: Connection, loaded: LoadedJob, what: What, request: dict[str,
     return TransferReport(host=conn.name, what=what, status=status, **{k: data[k] for k in (
         "source", "dest", "fetched", "skipped", "deleted", "bytes", "seconds", "mb_per_s", "files_total",
         "bytes_total")}, verified=data.get("verified") or {}, changed=data.get("changed") or 0,
-        changed_files=data.get("changed_files") or [], kept=data.get("kept") or 0, kept_files=data.get("kept_files") or [])
+        changed_files=data.get("changed_files") or [], kept=data.get("kept") or 0,
+        kept_files=data.get("kept_files") or [])
 
 
 # --------------------------------------------------------------------------- progress on a terminal

@@ -15,10 +15,10 @@ from ..agent import NODE, run_module
 from ..config.models import Job
 from ..errors import EXIT_OK, EXIT_VERIFY, DfoError, HostError
 from ..facts.node import NodeFacts, PkgReport, Problem
-from ..transport.ssh import Connection
+from ..transport.base import Transport
 
 
-def workspace_of(conn: Connection, job: Job | None) -> str:
+def workspace_of(conn: Transport, job: Job | None) -> str:
     return (job.workspace if job and job.workspace else None) or conn.host.workspace
 
 
@@ -87,7 +87,7 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
     return [Problem.model_validate(p) for p in match_known_bad(packages, caps, arch_list)]
 
 
-def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
+def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
     ws = workspace_of(conn, job)
     record = provision_record_path(ws, job.name) if job else None
     raw = run_module(conn, NODE.probe, {
@@ -107,7 +107,8 @@ def verify_env(conn: Connection, job: Job | None, *, gpu: bool = False, gpu_time
         if not facts.venv_python_exists:
             report.problems.append(Problem(
                 kind="venv_missing", package=None, expected=job.venv_python, found=None,
-                message=f"the job's interpreter {job.venv_python} does not exist; run: dfo provision -H {conn.name} -j {job.name}",
+                message=f"the job's interpreter {job.venv_python} does not exist; "
+                        f"run: dfo provision -H {conn.name} -j {job.name}",
             ))
         else:
             pk = PkgReport.model_validate(run_module(conn, NODE.pkgcheck, {

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import VerifyError
+
 if TYPE_CHECKING:
     from ..config.models import ResolvedHost
 
@@ -46,7 +48,8 @@ class Transport(ABC):
             on_line: Callable[[str], object] | None = None) -> Result:
         """Run ``command`` (a shell string built with shlex.quote), at most ``timeout`` s (default:
         the inventory's command_timeout). ``stdin`` is sent and closed. With ``on_line`` each stdout
-        line goes to it as it arrives and only the lines it returns True for are kept (_Collector)."""
+        line goes to it as it arrives and only the line it returns True for, the result frame, is kept
+        (one: a second is a VerifyError naming the host); stdout is bounded either way (_Collector)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -82,27 +85,42 @@ class _Tail:
 
 
 class _Collector:
-    """Collects a command's stdout.
+    """Collects a command's stdout, in bounded memory whatever the node sends.
 
-    Without ``on_line`` all of it is kept (``text()``). With ``on_line`` (streaming mode: framed
-    remote modules) each complete line goes to the callback as it arrives, and memory stays bounded
-    however long the stream: only the lines the callback returns True for are kept (the module's
-    result frame), plus the last ``TAIL_BYTES`` of the rest, for error messages. A line without a
-    newline longer than ``LINE_MAX`` (noise; frames are far shorter) goes to the callback in pieces.
+    Without ``on_line`` (a plain command: ``agent.upload_agent``, ``steps.outputs.look``) all of it is
+    kept (``text()``), up to ``ALL_MAX`` bytes (256 MiB, far above what any such command prints): one
+    byte more is a VerifyError (exit 3) naming the host, and the command is ended.
+
+    With ``on_line`` (streaming mode: framed remote modules) each complete line goes to the callback as
+    it arrives. The callback returns True for the module's result frame, the one line kept: the protocol
+    (remote/_proto.py) has exactly one, and ``agent.parse_output`` reads one. A second is a VerifyError
+    naming the host ("the node sent more than one result"), raised at once, which ends the command: a
+    node that prints result frames without end cannot grow this process. Of the other lines only the
+    last ``TAIL_BYTES`` are kept, for error messages. A line without a newline longer than ``LINE_MAX``
+    (noise; frames are far shorter) goes to the callback in pieces.
     """
 
     TAIL_BYTES = 8192
     LINE_MAX = 32 << 20
+    ALL_MAX = 256 << 20
+    KEPT_MAX = 1
 
-    def __init__(self, on_line: Callable[[str], object] | None) -> None:
+    def __init__(self, on_line: Callable[[str], object] | None, host: str | None = None) -> None:
         self.buf = bytearray()  # everything; in streaming mode the tail of what was not kept
         self.kept: list[bytes] = []
         self.pending = bytearray()
         self.scanned = 0  # pending[:scanned] holds no newline
         self.on_line = on_line
+        self.raised: BaseException | None = None  # what on_line raised, if it did
+        self.host = host
 
     def feed(self, data: bytes) -> None:
         if self.on_line is None:
+            if len(self.buf) + len(data) > self.ALL_MAX:
+                raise VerifyError(f"the node sent more than {_mib(self.ALL_MAX)} of output to one command; "
+                                  "dfo stopped reading it and ended the command", host=self.host,
+                                  hint="something on the node (a login file such as ~/.bashrc, or its python3) "
+                                       "prints without end; `ssh HOST true` should print nothing")
             self.buf += data
             return
         self.pending += data
@@ -120,7 +138,19 @@ class _Collector:
 
     def _line(self, raw: bytes) -> None:
         assert self.on_line is not None
-        if self.on_line(raw.decode("utf-8", "replace")):
+        try:
+            keep = self.on_line(raw.decode("utf-8", "replace"))
+        except BaseException as exc:
+            # the caller's own failure (a local disk error, say): the transport re-raises it as it is,
+            # never as a lost connection (connection.Connection.run checks ``raised``)
+            self.raised = exc
+            raise
+        if keep:
+            if len(self.kept) >= self.KEPT_MAX:
+                raise VerifyError("the node sent more than one result for one command (dfo's remote modules "
+                                  "print exactly one); dfo stopped reading and ended the command", host=self.host,
+                                  hint="the node's copy of dfo's code, or its python3, does not behave as dfo's "
+                                       "does; remove ~/.cache/dfo on the node and run the command again")
             self.kept.append(raw)
             return
         self.buf += raw[-self.TAIL_BYTES:] + b"\n"
@@ -138,3 +168,7 @@ class _Collector:
         if self.on_line is None:
             return self.buf.decode("utf-8", "replace")
         return (bytes(self.buf) + b"".join(k + b"\n" for k in self.kept)).decode("utf-8", "replace")
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"

@@ -7,6 +7,7 @@ killed before the error goes on: nothing the call started outlives it, as with a
 
 from __future__ import annotations
 
+import io
 import os
 import select
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from ..config.models import ResolvedHost
 from ..errors import HostError
@@ -50,8 +52,9 @@ class LocalConnection(Transport):
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True, env=local_env())
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        pin, pout, perr = proc.stdin, proc.stdout, proc.stderr
-        out, err = _Collector(on_line), _Tail()
+        pin, pout = proc.stdin, proc.stdout
+        perr = cast(io.BufferedReader, proc.stderr)  # what Popen makes (bufsize -1); typeshed says IO[bytes]
+        out, err = _Collector(on_line, host=self.name), _Tail()
 
         def feed_stdin() -> None:
             try:

@@ -19,7 +19,8 @@ All SSH options live here, in one commented place:
   forwarding channel;
 * liveness on every call (orchestrator.transport.liveness): a keepalive that wants an answer every 5 s; none
   for 20 s and the link counts as dead: the call in flight raises ConnectionLost (exit 4), a long
-  silent command on a live link runs on. A dead hop shows as a dead target link;
+  silent command on a live link runs on. A dead hop shows as a dead target link. The environment's
+  DFO_ALIVE_INTERVAL_S and DFO_ALIVE_DEAD_S change the 5 and the 20 (the tests use a few seconds);
 * an explicit timeout on every call (``run(..., timeout=)``); Ctrl-C leaves at once (the loop
   waits in 0.25 s slices);
 * commands run on a paramiko channel of fabric's transport, with dfo's own loop (streaming
@@ -50,6 +51,7 @@ from ..errors import ConnectionLost, DfoError, HostError
 from .base import Result, Transport, _Collector, _Tail
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
+from .liveness import bounds as liveness_bounds
 
 __all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint"]
 
@@ -217,6 +219,7 @@ class Connection(Transport):
                 if self._fab.is_connected:
                     return self._fab.client
                 self._close_locked()
+            alive = liveness_bounds()  # a bad DFO_ALIVE_* is exit 2 before any connection opens
             fab = self._target()
             try:
                 fab.open()
@@ -225,7 +228,7 @@ class Connection(Transport):
                 raise
             self._fab = fab
             self._lost_why = None
-            self._alive = Liveness(fab.transport, self._dead_link(fab), self.name)
+            self._alive = Liveness(fab.transport, self._dead_link(fab), self.name, alive)
             return fab.client
 
     def _dead_link(self, fab: _Hop) -> Callable[[str], None]:
@@ -294,7 +297,7 @@ class Connection(Transport):
                 raise self._lost(str(exc)) from None
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
-        out, err = _Collector(on_line), _Tail()
+        out, err = _Collector(on_line, host=self.name), _Tail()
         exited: float | None = None  # when the exit status was seen (then again at each byte after it)
         try:
             while True:
@@ -333,6 +336,8 @@ class Connection(Transport):
                 # a channel closed by a dead link reports "exit status ready" with no status
                 raise self._lost("the connection closed while a command ran")
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            if exc is out.raised:  # the caller's on_line failed here (an OSError on this machine): not the link
+                raise
             raise self._lost(str(exc)) from None
         finally:
             _close_quietly(chan)

@@ -55,7 +55,7 @@ from remote.lib.redact import redact, redact_obj
 class Dist:
     __slots__ = ("key", "name", "version", "requires", "dist")
 
-    def __init__(self, dist) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, dist: metadata.Distribution) -> None:
         self.dist = dist
         self.name = dist.metadata["Name"]
         self.key = canonicalize_name(self.name)
@@ -88,7 +88,8 @@ def installed() -> dict:
 
 def problem(kind: str, package: str | None, expected: str | None, found: str | None, message: str,
             **extra: object) -> dict:
-    p = {"kind": kind, "package": package, "expected": expected, "found": found, "message": message}
+    p: dict[str, object] = {"kind": kind, "package": package, "expected": expected, "found": found,
+                            "message": message}
     p.update(extra)
     return p
 
@@ -136,7 +137,8 @@ def check_pins(pins: list, dists: dict) -> list:
         d = dists.get(dist_key(req))
         want = str(req.specifier) or None
         if d is None:
-            out.append(problem("missing", dist_key(req), want, None, "asked %s; %s is not installed" % (spec, req.name)))
+            out.append(problem("missing", dist_key(req), want, None,
+                               "asked %s; %s is not installed" % (spec, req.name)))
         elif not _contains(req.specifier, d.version):
             out.append(problem("pin", dist_key(req), want, d.version, "asked %s; %s is %s" % (spec, d.name, d.version)))
     return out
@@ -246,7 +248,8 @@ def _top_level(d: Dist) -> list:
 
 
 def module_versions(names: list, dists: dict) -> tuple:
-    versions, problems = {}, []
+    versions: dict[str, str | None] = {}
+    problems: list[dict] = []
     for raw in names:
         key = canonicalize_name(raw)
         d = dists.get(key)

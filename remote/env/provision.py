@@ -36,11 +36,13 @@ The record of the run is written (temp + rename, mode 0600) to ``<workspace>/.df
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
 import time
+from typing import Callable
 
 from remote._proto import RemoteError, emit_event, main
 from remote.env.installers import (
@@ -62,6 +64,7 @@ from remote.env.installers import (
     venv_state,
     write_json,
 )
+from remote.lib.destsafety import open_meta
 from remote.lib.fsutil import human_bytes
 from remote.lib.redact import redact, redact_obj
 
@@ -93,7 +96,7 @@ class Provision:
         self.started, self.t0 = now_iso(), time.time()
 
     # ------------------------------------------------------------------ plumbing
-    def step(self, name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    def step(self, name: str, fn: Callable[[], dict]) -> None:
         start = time.time()
         try:
             rep = fn()
@@ -132,6 +135,11 @@ class Provision:
         dirs = [self.workspace, self.workspace + "/.dfo", self.record_dir] + list(self.req.get("dirs") or [])
         created = []
         for d in dirs:
+            if d == self.workspace + "/.dfo":  # no symlink, this user's, nobody else may write it (made 0700)
+                try:
+                    os.close(open_meta(self.workspace, "workspace"))
+                except RemoteError as exc:
+                    raise StepFailed(exc.message, hint=exc.extra.get("hint"), kind="config") from None
             if os.path.isdir(d):
                 continue
             if os.path.lexists(d):
@@ -139,8 +147,8 @@ class Provision:
             try:
                 os.makedirs(d, exist_ok=True)
             except OSError as exc:
-                raise StepFailed("cannot create %s: %s" % (d, exc.strerror),
-                                 hint="check the path and its permissions (workspace: in the inventory or job)") from None
+                raise StepFailed("cannot create %s: %s" % (d, exc.strerror), hint="check the path and its "
+                                 "permissions (workspace: in the inventory or job)") from None
             created.append(d)
         bad = [d for d in dirs if not os.access(d, os.W_OK | os.X_OK)]
         if bad:
@@ -256,12 +264,12 @@ class Provision:
                              **info)
         others = self.relevant(k, after_state)
         if others:
-            pins = any(p["kind"] == "requirement" for p in others)
+            breaks_pin = any(p["kind"] == "requirement" for p in others)
             was = set(p["message"] for p in old_state["problems"])
             said = "; ".join(p["message"] + (" (already so before this step)" if p["message"] in was else "")
                              for p in others[:3])
             raise StepFailed("after installing %s: %s; %s" % (line, said, state),
-                             hint=("if this break is deliberate, add it to overrides: with a reason" if pins
+                             hint=("if this break is deliberate, add it to overrides: with a reason" if breaks_pin
                                    else "the installer said: " + _last_lines(runs[-1]["output_tail"])), **info)
         warns = self.new_warnings(old_state["warnings"], after_state["warnings"])
         if before.get(key) == after.get(key):
@@ -398,7 +406,7 @@ def _provision(p: Provision, req: dict) -> dict:
         p.step("venv", p.step_venv)
         p.step("installer", p.step_installer)
         for k, line in enumerate(p.lines):
-            p.step(line, lambda k=k: p.step_package(k))
+            p.step(line, functools.partial(p.step_package, k))
         if p.overrides:
             p.step("overrides", p.step_overrides)
         if req.get("clear_triton_cache"):

@@ -2,7 +2,8 @@
 
 * ``list``: every regular file under ``root`` (or under the given relative ``paths`` in it), with
   its size and mtime. Symlinks are not followed (and not sent: they are listed under
-  ``links``); names starting with ``.dfo`` are dfo's bookkeeping and never listed.
+  ``links``); names starting with ``.dfo`` are dfo's bookkeeping and never listed, nor is a
+  ``.git`` folder (the controller refuses such names anyway: it never writes into .git).
 * ``send``: for each requested file, opened with O_NOFOLLOW and still of the size and mtime the
   controller saw, the bytes from ``offset`` on, as events ``{"t": "d", "i": N, "b": base64}``
   (1 MiB each), then ``{"t": "end", "i": N, "sha256": ...}``: the sha256 of the WHOLE file, read
@@ -62,7 +63,7 @@ def _rel_ok(rel):
 
 
 def _skip(name):
-    return name.startswith(".dfo")
+    return name.startswith(".dfo") or name.lower() == ".git"
 
 
 def op_list(req: ListRequest):
@@ -75,7 +76,7 @@ def op_list(req: ListRequest):
         if p and not _rel_ok(p):
             raise RemoteError("usage", "pull: %r: give paths relative to %s, without '..'" % (p, root))
         if p and any(_skip(c) for c in p.split("/")):
-            raise RemoteError("usage", "pull: %r is dfo's own bookkeeping (.dfo names are never pulled)" % p)
+            raise RemoteError("usage", "pull: %r: .dfo and .git names are never pulled" % p)
         starts.append(p)
     files, links, missing = {}, [], []
     for start in starts:

@@ -15,6 +15,15 @@ Three operations, each one SSH command; the request is the first line of stdin (
   nothing changed, or one file changed, is one command. Only on a mismatch (the node is not as the
   controller last left it) does the answer carry the manifest, and the controller sends the rest.
 
+Ownership: the manifest names the job whose pushes wrote it (``owner``: job and workspace). A push
+from another job (``job`` in the request) is refused (exit 2, naming both jobs, the folder and the
+owner's live run) while the owner has a live run in its workspace. With no live run it may take the
+folder over, only when the controller asks (``takeover``: it then sends its whole tree): every file
+of the old owner is released (left in place, no longer dfo's: never deleted), the new job's files
+are written over any of the same name, and the manifest then lists only what the new job wrote.
+A manifest written before owners were recorded names none: it is taken over the same way (nothing
+deleted), refused while a live run of another job has DEST as its workdir.
+
 Safety: every folder under DEST is opened relative to its parent with O_NOFOLLOW (remote.lib.destsafety.Tree),
 so a symlink inside DEST is never followed. A path with an empty, ``.`` or ``..`` component, or a
 component starting with ``.dfo``, is refused. A file is deleted only if dfo pushed it (it is in the
@@ -41,16 +50,21 @@ from remote.lib.fsutil import FILE_FLAGS, write_atomic
 # The request is the first line of stdin; push's and sync's file bytes follow it (the payload).
 
 
-class StateRequest(TypedDict):
-    """``state`` -> StateReply."""
+class StateRequest(TypedDict, total=False):
+    """``state`` -> StateReply. ``job``, ``workspace`` and ``host`` name who pushes (the folder's owner)."""
     op: str
     dest: str
+    job: str
+    workspace: str
+    host: str
 
 
 class StateReply(TypedDict):
     dest: str  # its real path
     digest: Optional[str]  # of the manifest (digest_of); None: nothing pushed yet
     dirty: List[str]  # files no longer as dfo left them
+    owner: Optional[str]  # the job whose pushes wrote the manifest
+    foreign: bool  # another job's folder (or one from before owners were recorded)
     files: Dict[str, List[Any]]  # path -> [sha256, mode, link]
 
 
@@ -68,6 +82,7 @@ class PushRequest(StateRequest, total=False):
     files: List[FileEntry]
     delete: List[str]
     want: str  # sync: the digest of the controller's whole tree
+    takeover: bool  # take a foreign folder over (its files released, never deleted); the whole tree is sent
 
 
 class PushReply(TypedDict, total=False):
@@ -83,6 +98,10 @@ class PushReply(TypedDict, total=False):
     seconds: float
     files: Dict[str, List[Any]]
     dirty: List[str]
+    owner: Optional[str]
+    foreign: bool
+    took_over: str  # the job whose folder this was
+    released: int
 
 
 MANIFEST = "code-manifest.json"
@@ -180,37 +199,92 @@ FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in th
 
 
 def _load_rows(meta_fd):
-    """(path -> [sha256, mode, link, size, mtime_ns, ino] as stored, the digest recorded with them)."""
+    """(path -> [sha256, mode, link, size, mtime_ns, ino] as stored, the digest recorded with them,
+    the owner {job, workspace} or None)."""
     if meta_fd is None:
-        return {}, None
+        return {}, None, None
     try:
         fd = os.open(MANIFEST, os.O_RDONLY | FILE_FLAGS, dir_fd=meta_fd)
     except FileNotFoundError:
-        return {}, None
+        return {}, None, None
     with os.fdopen(fd, "rb") as f:
         try:
             doc = json.loads(f.read().decode("utf-8", "surrogateescape"))
         except ValueError:
-            return {}, None  # unreadable: as if dfo had pushed nothing (nothing is deleted, all is sent)
+            return {}, None, None  # unreadable: as if dfo had pushed nothing (nothing is deleted, all is sent)
     files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 2 else None
     if not isinstance(files, dict):
-        return {}, None
-    return files, doc.get("digest")
+        return {}, None, None
+    owner = doc.get("owner")
+    if not (isinstance(owner, dict) and isinstance(owner.get("job"), str) and owner["job"]):
+        owner = None
+    return files, doc.get("digest"), owner
 
 
 def _load_manifest(meta_fd):
-    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them)."""
-    rows, digest = _load_rows(meta_fd)
-    return {rel: dict(zip(FIELDS, row)) for rel, row in rows.items()}, digest
+    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them, the owner)."""
+    rows, digest, owner = _load_rows(meta_fd)
+    return {rel: dict(zip(FIELDS, row)) for rel, row in rows.items()}, digest, owner
 
 
-def _save_manifest(meta_fd, files):
+def _save_manifest(meta_fd, files, owner=None):
     digest = digest_of(files)
     doc = {"version": 2, "fields": FIELDS, "digest": digest,
            "files": {rel: [e.get(k) for k in FIELDS] for rel, e in files.items()}}
+    if owner is not None:
+        doc["owner"] = owner
     write_atomic(MANIFEST, json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogateescape"),
                  dir_fd=meta_fd)
     return digest
+
+
+def _runs_root(workspace):
+    return os.path.join(workspace or "/workspace", ".dfo", "runs")  # as remote.runs.ops.runs_root
+
+
+def _foreign(owner, rows, req):
+    """True when DEST's manifest belongs to another job than the request's: another owner, or files
+    pushed before owners were recorded. A request that names no job (none does now) is not checked."""
+    job = req.get("job")
+    if not job:
+        return False
+    return owner["job"] != job if owner is not None else bool(rows)
+
+
+def _refuse_if_live(real, owner, req):
+    """RemoteError "usage" (exit 2) when the folder's owner has a live run; for a manifest that names
+    no owner: when a live run of another job has DEST as its workdir."""
+    from remote.runs import record as rec  # only on this path: the common push imports nothing more
+
+    job = req.get("job")
+    if owner is not None:
+        live = [(rid, d) for _, rid, d in rec.list_runs(_runs_root(owner.get("workspace")), owner["job"])
+                if rec.run_state(d)[0] == "running"]
+        other = owner["job"]
+    else:
+        live, other = [], None
+        for _, rid, d in rec.list_runs(_runs_root(req.get("workspace"))):
+            state, meta, _end = rec.run_state(d)
+            if state == "running" and (meta or {}).get("job") != job \
+                    and os.path.realpath(os.path.expanduser(str((meta or {}).get("workdir") or ""))) == real:
+                live, other = [(rid, d)], (meta or {}).get("job")
+                break
+    if not live:
+        return
+    rid, d = live[0]
+    meta = rec.read_json(os.path.join(d, rec.META)) or {}
+    host = req.get("host") or "HOST"
+    held = ("holds the code of job %s, which has a live run here" % other if owner is not None
+            else "is the workdir of a live run of job %s" % other)
+    raise RemoteError(
+        "usage", "code: %s %s (%s, pid %s); job %s's push is refused, so that %s's code stays as it runs"
+        % (real, held, rid, meta.get("pid"), job, other),
+        hint="wait for it to end or stop it (dfo stop -H %s %s), or give job %s its own code.dest (or run.workdir)"
+        % (host, rid, job), owner_run=rid, owner=other)  # not "running": launch reads that as the job's own run
+
+
+def _owner_of(req):
+    return {"job": req["job"], "workspace": req.get("workspace")} if req.get("job") else None
 
 
 class Dest:
@@ -234,9 +308,10 @@ def op_state(req: StateRequest):
     """The manifest (path -> [sha256, mode, link]), its digest, and the files no longer as dfo left them."""
     d = Dest(req["dest"], create=False)
     try:
-        files, digest = _load_manifest(d.meta_fd)
+        files, digest, owner = _load_manifest(d.meta_fd)
         dirty = [rel for rel, e in files.items() if d.tree is None or not _same_stat(d.real, rel, e)]
         return {"dest": d.real, "digest": digest if files else None, "dirty": dirty,
+                "owner": owner["job"] if owner else None, "foreign": _foreign(owner, files, req),
                 "files": {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}}
     finally:
         d.close()
@@ -315,9 +390,17 @@ def _push(req, stream, want=None):
     try:
         lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
         fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
-        files = _load_manifest(d.meta_fd)[0]
+        files, _digest, owner = _load_manifest(d.meta_fd)
         for rel in [f["path"] for f in req.get("files", [])] + list(req.get("delete", [])):
             check_rel(rel)
+        took_over, released = None, []
+        if _foreign(owner, files, req):
+            _refuse_if_live(d.real, owner, req)
+            if not req.get("takeover"):  # the controller's guess was of its own folder: nothing written
+                return {"match": False, "foreign": True, "owner": owner["job"] if owner else None, "dest": d.real,
+                        "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [], "digest": None,
+                        "count": len(files), "seconds": round(time.time() - started, 3)}
+            took_over, released, files = (owner["job"] if owner else ""), sorted(files), {}  # released, none deleted
         deleted, kept = _delete(tree, files, req.get("delete", []))
         tmp_fd = _open_child(d.meta_fd, TMP_DIR, os.path.join(d.real, ".dfo"), FIELD, 0o700, True, "the manifest")
         try:
@@ -357,11 +440,15 @@ def _push(req, stream, want=None):
                 sent += 1
         finally:
             os.close(tmp_fd)
-        digest = _save_manifest(d.meta_fd, files)
+        digest = _save_manifest(d.meta_fd, files, _owner_of(req) or owner)
         match = bool(files) and digest == want and _all_intact(d, files)
-        return {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted), "kept": len(kept),
-                "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
-                "seconds": round(time.time() - started, 3)}
+        out = {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted),
+               "kept": len(kept), "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
+               "seconds": round(time.time() - started, 3)}
+        if took_over is not None:
+            out["took_over"] = took_over
+            out["released"] = len([rel for rel in released if rel not in files])
+        return out
     finally:
         d.close()
 
@@ -377,13 +464,16 @@ def op_sync(req: PushRequest):
     and every file is still as dfo left it; otherwise the answer carries ``state``'s files and
     dirty list, and the controller sends the rest. Nothing is written when nothing was sent."""
     want = req.get("want")
-    if req.get("files") or req.get("delete"):
+    if req.get("files") or req.get("delete") or req.get("takeover"):
         out = _push(req, payload(), want)
     else:
         d = Dest(req["dest"], create=False)
         try:  # the common case, nothing changed: the stored rows checked as they are
-            rows, digest = _load_rows(d.meta_fd)
-            match = (bool(rows) and digest == want and d.tree is not None
+            rows, digest, owner = _load_rows(d.meta_fd)
+            foreign = _foreign(owner, rows, req)
+            if foreign:  # another job's folder, even with the same files: its owner's live run keeps it
+                _refuse_if_live(d.real, owner, req)
+            match = (not foreign and bool(rows) and digest == want and d.tree is not None
                      and all(_row_intact(d.real, rel, row) for rel, row in rows.items()))
             out = {"dest": d.real, "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [],
                    "digest": digest, "count": len(rows), "match": match}
@@ -391,7 +481,7 @@ def op_sync(req: PushRequest):
             d.close()
     if not out["match"]:
         st = op_state(req)
-        out["files"], out["dirty"] = st["files"], st["dirty"]
+        out["files"], out["dirty"], out["owner"], out["foreign"] = st["files"], st["dirty"], st["owner"], st["foreign"]
     return out
 
 

@@ -6,9 +6,12 @@
   packages} | null, "manifests": {kind: {path, source, files, bytes, digest} | null}}: what the
   controller compares across nodes (orchestrator/steps/gang.py preflight_problems). Read only: the
   manifest's journal is folded in memory, its lock is not taken.
-* ``listen`` {ports, token, expect, window} (rank 0): listen on every port (all addresses) until
-  ``expect`` peers have shown the token on each port, or ``window`` seconds -> {"ok", "port", "error",
-  "peers": {port: [rank, ...]}}. A peer proves it reached this listener by echoing the token.
+* ``listen`` {ports, token, expect, window, bind} (rank 0): listen on every port until ``expect`` peers
+  have shown the token on each port, or ``window`` seconds -> {"ok", "port", "error", "peers": {port:
+  [rank, ...]}}. A peer proves it reached this listener by echoing the token. A port in ``bind`` {ports,
+  address, peer} listens where the gang watch will: ``bind_address(address, peer)`` only; the others on
+  every address (as torchrun's store). Connections that have not shown the token are bounded
+  (gangdoor._Pending: 64, 8 per address, 3 s each); selectors, so any number of descriptors works.
 * ``connect`` {address, ports, token, rank, window, connect_timeout} (the others): a TCP connection
   to address:port for each port, retried until ``window`` -> {"ok", "port", "error"}.
 * ``iface`` {address, peer} -> {"ifname": str|null}: the interface gloo should use (GLOO_SOCKET_IFNAME).
@@ -18,13 +21,14 @@ import hashlib
 import json
 import os
 import re
-import select
+import selectors
 import socket
 import subprocess
 import time
-from typing import Dict, List, Optional, TypedDict
+from typing import Dict, List, Optional, Set, TypedDict
 
 from remote._proto import serve
+from remote.gang.door import ACCEPT_LATER, _abort, _ip, _peer_ip, _Pending, bind_address, listen_socket
 
 # --------------------------------------------------------------------------- requests and replies
 # python3 -m remote.gang reads one JSON object, {"op": NAME, ...}; the module docstring says what each does.
@@ -187,60 +191,108 @@ def _wildcard(port):
     return s
 
 
+def _open_listeners(ports, bind):
+    """{port: socket}, or (port, error) for the first port that cannot listen."""
+    socks = {}
+    bind_ports = set(int(p) for p in bind.get("ports") or [])
+    for p in ports:
+        try:
+            if p in bind_ports:
+                ip = bind_address(bind.get("address") or "", bind.get("peer"))
+                if ip is None:
+                    raise OSError(errno.EADDRNOTAVAIL, "the gang address %s is not an address of this node, and "
+                                  "no route to %s shows one" % (bind.get("address"), bind.get("peer")))
+                socks[p] = listen_socket(ip, p)
+            else:
+                socks[p] = _wildcard(p)
+        except OSError as exc:
+            for s in socks.values():
+                s.close()
+            why = "port in use (another process listens there)" if exc.errno == errno.EADDRINUSE else (
+                exc.strerror or str(exc))
+            return None, (p, why)
+    return socks, None
+
+
 def listen(req: ListenRequest):
     ports = [int(p) for p in req["ports"]]
     token = req["token"].encode("ascii")
     expect = int(req.get("expect") or 0)
     deadline = time.monotonic() + float(req.get("window") or 30)
-    socks = {}
+    socks, failed = _open_listeners(ports, req.get("bind") or {})
+    if failed:
+        return {"ok": False, "port": failed[0], "error": failed[1], "peers": {}}
+    peers: Dict[int, Set[str]] = dict((p, set()) for p in ports)
+    pending = _Pending()
+    sel = selectors.DefaultSelector()
+
+    def drop(c):
+        pending.drop(c)
+        sel.unregister(c)
+        _abort(c)
+
     try:
-        for p in ports:
-            try:
-                socks[p] = _wildcard(p)
-            except OSError as exc:
-                why = "port in use (another process listens there)" if exc.errno == errno.EADDRINUSE else exc.strerror
-                return {"ok": False, "port": p, "error": why, "peers": {}}
-        peers = dict((p, set()) for p in ports)
-        pending = {}  # conn -> (port, bytes so far)
+        for p, ls in socks.items():
+            sel.register(ls, selectors.EVENT_READ, (True, p))
         while time.monotonic() < deadline and any(len(v) < expect for v in peers.values()):
-            r, _, _ = select.select(list(socks.values()) + list(pending), [], [], 0.2)
-            for s in r:
-                if s in pending:
-                    port, buf = pending[s]
+            for key, _ in sel.select(0.2):
+                listener, port = key.data
+                c: socket.socket = key.fileobj  # type: ignore[assignment]  # registered sockets only
+                if listener:
+                    _accept_batch(c, port, pending, sel, drop)
+                    continue
+                line, _ = pending.feed(c)
+                if line is None:
+                    continue
+                if line and line.startswith(HELLO + token + b" "):
+                    rank = line[len(HELLO + token) + 1:].decode("ascii", "replace")
+                    pending.drop(c)
+                    sel.unregister(c)
                     try:
-                        chunk = s.recv(256)
+                        c.setblocking(True)
+                        c.settimeout(2)
+                        c.sendall(b"ok " + token + b"\n")
+                        peers[port].add(rank)
                     except OSError:
-                        chunk = b""
-                    buf += chunk
-                    if b"\n" in buf or not chunk or len(buf) > 256:
-                        del pending[s]
-                        line = buf.split(b"\n")[0]
-                        if line.startswith(HELLO + token + b" "):
-                            rank = line[len(HELLO + token) + 1:].decode("ascii", "replace")
-                            try:
-                                s.sendall(b"ok " + token + b"\n")
-                                peers[port].add(rank)
-                            except OSError:
-                                pass
-                        s.close()
-                    else:
-                        pending[s] = (port, buf)
-                    continue
-                port = [p for p, ls in socks.items() if ls is s][0]
-                try:
-                    c, _ = s.accept()
-                except OSError:
-                    continue
-                c.setblocking(True)
-                c.settimeout(2)
-                pending[c] = (port, b"")
-        for c in pending:
-            c.close()
+                        pass
+                    c.close()
+                else:
+                    drop(c)
+            for c in pending.expired():
+                drop(c)
         return {"ok": all(len(v) >= expect for v in peers.values()), "port": None, "error": None,
                 "peers": dict((str(p), sorted(v)) for p, v in peers.items())}
     finally:
+        for c in list(pending.conns):
+            drop(c)
+        sel.close()
         for s in socks.values():
             s.close()
+
+
+def _accept_batch(ls, port, pending, sel, drop):
+    for _ in range(64):  # a batch, then the pending connections get their turn
+        try:
+            c, addr = ls.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if exc.errno not in ACCEPT_LATER:  # ECONNABORTED and the like: that connection only
+                continue
+            old = pending.oldest()  # out of descriptors for now: free the oldest pending one, back off
+            if old is not None:
+                drop(old)
+            time.sleep(0.05)
+            return
+        ok, evicted = pending.admit(c, _peer_ip(addr))
+        if evicted is not None:
+            sel.unregister(evicted)
+            _abort(evicted)
+        if not ok:
+            _abort(c)
+            continue
+        c.setblocking(False)
+        sel.register(c, selectors.EVENT_READ, (False, port))
 
 
 def _connect_once(address, port, token, rank, timeout):
@@ -277,7 +329,7 @@ def connect(req: ConnectRequest):
             except OSError as exc:
                 last = {errno.ECONNREFUSED: "connection refused (nothing listens there: wrong address?)",
                         errno.EHOSTUNREACH: "no route to host", errno.ENETUNREACH: "network unreachable",
-                        errno.ECONNRESET: "connection reset"}.get(exc.errno, exc.strerror or str(exc))
+                        errno.ECONNRESET: "connection reset"}.get(exc.errno or 0, exc.strerror or str(exc))
             if time.monotonic() + 0.5 >= deadline:
                 return {"ok": False, "port": port, "error": last}
             time.sleep(0.5)
@@ -285,13 +337,6 @@ def connect(req: ConnectRequest):
 
 
 # --------------------------------------------------------------------------- GLOO_SOCKET_IFNAME
-def _ip(address):
-    try:
-        return socket.getaddrinfo(address, None, 0, socket.SOCK_STREAM)[0][4][0]
-    except (socket.gaierror, IndexError):
-        return None
-
-
 def local_addresses():
     """{ip: ifname} of this node: `ip -o addr`, else /proc/net/if_inet6 plus SIOCGIFADDR per interface."""
     out = {}

@@ -1,8 +1,9 @@
 """Runs on the node: the gang watch, so that a gang ends together with no controller (python3 3.8+, stdlib).
 
 Each node's supervisor runs one GangWatch beside its trainer. Rank 0's is the hub: it listens on a
-TCP port (rdzv_port + 1 by default, every address of the node); every other node's watch is a
-member that keeps one connection to the hub. Both ends send a heartbeat line every ``interval``
+TCP port (rdzv_port + 1 by default) on rank 0's gang address only (``remote.gang.door.bind_address``: the
+address itself when it is one of the node's, else the node's address on the route to a member); every
+other node's watch is a member that keeps one connection to the hub. Both ends send a heartbeat line every ``interval``
 seconds (2). Then:
 
 * a member whose trainer ended non-zero sends ``failed <how>`` ("exit 3", "signal 9") until the hub
@@ -24,9 +25,16 @@ ignored (and counted in ``events``): nothing on the network without the gang's s
 gang, keep a dead member alive, or replay another connection's lines. The secret comes from the
 controller on stdin, one per gang run, never in argv or a file another user can read.
 
+Nor can anyone without it starve the hub (remote/gang/door.py): one thread (selectors) accepts and reads
+joins; connections that have not joined are bounded (64 in all, 8 per address, 3 s each to send a valid
+join; the excess is reset at once); a joined member gets its own thread and never counts against the
+bound; accept() out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS) backs off and goes on; the hub
+raises its soft open-file limit to the hard one (at most 65,536) at start.
+
 ``python3 -m remote.gang.watch`` (a spec JSON line on stdin) runs a command under a watch: the tests
 and a manual check use it; the supervisor uses the class.
 """
+import errno
 import json
 import os
 import signal
@@ -35,23 +43,28 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any, Dict
 
-from remote.gang.ops import _wildcard
-from remote.gang.wire import _Chan, _lines, _mac, _num, _read_line, _same
+from remote.gang.door import PENDING_TIMEOUT, HubDoor, bind_address, listen_socket, raise_nofile
+from remote.gang.wire import _Chan, _lines, _mac, _read_line, _same
+
+NOISY = ("bad-line", "busy", "accept-error")  # strangers' events: counted, the first 20 of each kept
 
 
 class GangWatch(object):
     def __init__(self, rank, hosts, hub, port, secret, stop, gang_id="", interval=2.0, silence=20.0,
-                 join_timeout=30.0, on_event=None, bind=""):
+                 join_timeout=30.0, on_event=None, bind=None, peer=None, hello_timeout=PENDING_TIMEOUT):
         if len(secret) < 16:
             raise ValueError("the gang secret must be at least 16 bytes")
         self.rank, self.hosts, self.host = rank, list(hosts), hosts[rank]
         self.hub, self.port, self.secret, self.gang_id = hub, int(port), secret, gang_id
-        self.stop_cb, self.on_event, self.bind = stop, on_event, bind
+        self.stop_cb, self.on_event, self.bind, self.peer = stop, on_event, bind, peer
+        self.hello_timeout = float(hello_timeout)
         self.interval, self.silence, self.join_timeout = float(interval), float(silence), float(join_timeout)
         self.lock = threading.Lock()
         self.events = []
         self.bad_lines = 0
+        self.noise = {}  # kind -> count, for NOISY kinds
         self.first_failure = None  # {"host", "how"}
         self.own = None  # None while the trainer runs; then "done" or "failed <how>"
         self.stopped = False
@@ -60,7 +73,8 @@ class GangWatch(object):
         self._threads = []
         self._listener = None
         # hub: rank -> {"state": joining|running|done|failed|lost, "last": monotonic, "chan": _Chan|None}
-        self.members = dict((r, {"state": "joining", "last": self.t0, "chan": None}) for r in range(1, len(hosts)))
+        self.members: Dict[int, Dict[str, Any]] = dict(
+            (r, {"state": "joining", "last": self.t0, "chan": None}) for r in range(1, len(hosts)))
         # member
         self.chan = None
         self.last_heard = self.t0
@@ -71,9 +85,11 @@ class GangWatch(object):
     def event(self, kind, **kw):
         ev = dict(kw, event=kind, t=round(time.time(), 3))
         with self.lock:
-            if kind == "bad-line":
-                self.bad_lines += 1
-                if self.bad_lines > 20:  # a stranger's flood: counted, not kept
+            if kind in NOISY:
+                n = self.noise[kind] = self.noise.get(kind, 0) + 1
+                if kind == "bad-line":
+                    self.bad_lines = n
+                if n > 20:  # a stranger's flood: counted, not kept
                     return
             self.events.append(ev)
         if self.on_event is not None:
@@ -85,7 +101,8 @@ class GangWatch(object):
     def _spawn(self, fn, *args):
         t = threading.Thread(target=fn, args=args, daemon=True)
         t.start()
-        self._threads.append(t)
+        with self.lock:  # finished threads are dropped: the list stays as long as the threads alive
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _stop_trainer(self, why):
         with self.lock:
@@ -105,21 +122,22 @@ class GangWatch(object):
         return first
 
     def start(self):
+        extra = {}
         if self.rank == 0:
-            if self.bind:
-                self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                self._listener.bind((self.bind, self.port))
-                self._listener.listen(64)
-            else:  # every address of the node, IPv6 and IPv4, as torchrun's store listens
-                self._listener = _wildcard(self.port)
-                self._listener.setblocking(True)
-            self.port = self._listener.getsockname()[1]
-            self._spawn(self._accept_loop)
+            extra["nofile"] = raise_nofile()
+            if self.members:  # a gang of one has nobody to hear: nothing listens
+                ip = self.bind or bind_address(self.hub, self.peer)
+                if not ip:
+                    raise OSError(errno.EADDRNOTAVAIL, "the gang address %s is not an address of this node, and no "
+                                  "route to %s shows one: the gang watch listens nowhere else" % (self.hub, self.peer))
+                self._listener = listen_socket(ip, self.port)
+                self.port = self._listener.getsockname()[1]
+                extra["address"] = ip
+                self._spawn(self._accept_loop)
             self._spawn(self._hub_ticker)
         else:
             self._spawn(self._member_loop)
-        self.event("start", role="hub" if self.rank == 0 else "member", port=self.port)
+        self.event("start", role="hub" if self.rank == 0 else "member", port=self.port, **extra)
         return self
 
     def trainer_ended(self, code, how=None):
@@ -143,7 +161,8 @@ class GangWatch(object):
             own = self.own
         return {"role": "hub" if self.rank == 0 else "member", "host": self.host, "first_failure": ff,
                 "state": "failed" if ff else ("succeeded" if own == "done" and self.done.is_set() else "running"),
-                "members": dict((self.hosts[r], m["state"]) for r, m in self.members.items()) if self.rank == 0 else None}
+                "members": dict((self.hosts[r], m["state"]) for r, m in self.members.items())
+                if self.rank == 0 else None}
 
     def close(self):
         self.done.set()
@@ -178,43 +197,25 @@ class GangWatch(object):
             self.done.set()
 
     def _accept_loop(self):
-        while not self.done.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return
-            self._spawn(self._hub_conn, sock, peer)
+        HubDoor(self._listener, self.secret, self.gang_id, self.members, self.done, self.event,
+                lambda *a: self._spawn(self._hub_session, *a), self.hello_timeout).run()
 
-    def _hub_conn(self, sock, peer):
-        nonce = os.urandom(16).hex()
-        try:
-            sock.sendall(("hello %s %s\n" % (nonce, _mac(self.secret, "hello", self.gang_id, nonce))).encode())
-        except OSError:
-            sock.close()
-            return
-        line = _read_line(sock, 10.0)
-        parts = (line or "").split(" ")
-        if len(parts) != 4 or parts[0] != "join" or not _num(parts[1]) or not _same(
-                parts[3], _mac(self.secret, "join", self.gang_id, nonce, parts[1], parts[2])) \
-                or int(parts[1]) not in self.members:
-            self.event("bad-line", peer=peer[0], where="join")
-            sock.close()
-            return
-        rank = int(parts[1])
-        chan = _Chan(sock, self.secret, nonce + parts[2], "h", "m")
+    def _hub_session(self, sock, ip, rank, session, buf):
+        chan = _Chan(sock, self.secret, session, "h", "m")
         m = self.members[rank]
         old, m["chan"], m["last"] = m["chan"], chan, time.monotonic()
         if old is not None:
             old.close()
         if m["state"] == "joining":
             m["state"] = "running"
-        self.event("joined", host=self.hosts[rank], peer=peer[0])
+        self.event("joined", host=self.hosts[rank], peer=ip)
         ff = self.first_failure
         if ff is not None:
             chan.send("gang-failed %s %s" % (ff["host"], ff["how"]))
-        buf = b""
-        while not self.done.is_set() and not chan.closed:
-            lines, buf, eof = _lines(sock, buf, self.interval)
+        first = buf.split(b"\n")  # lines that came with the join
+        buf = first.pop()
+        lines, eof = [p.decode("utf-8", "replace") for p in first], False
+        while True:
             for ln in lines:
                 payload = chan.check(ln)
                 if payload is None:
@@ -222,8 +223,9 @@ class GangWatch(object):
                     continue
                 m["last"] = time.monotonic()
                 self._hub_line(rank, payload, chan)
-            if eof:
+            if eof or self.done.is_set() or chan.closed:
                 break
+            lines, buf, eof = _lines(sock, buf, self.interval)
         if m["chan"] is chan:
             m["chan"] = None
         chan.close()
@@ -371,7 +373,7 @@ def _run(spec):
     w = GangWatch(int(spec["rank"]), spec["hosts"], spec["hub"], int(spec["port"]), bytes.fromhex(spec["secret"]),
                   stop, gang_id=spec.get("gang_id", ""), interval=float(spec.get("interval", 2)),
                   silence=float(spec.get("silence", 20)), join_timeout=float(spec.get("join_timeout", 30)),
-                  on_event=emit).start()
+                  on_event=emit, bind=spec.get("bind"), peer=spec.get("peer")).start()
     code = proc.wait()
     w.trainer_ended(code)
     w.wait(float(spec.get("linger", 60)))

@@ -2,7 +2,8 @@
 
 A line is ``SEQ PAYLOAD MAC``: MAC = HMAC-SHA256(secret, session|direction|SEQ|PAYLOAD) in hex, the
 session being the two ends' fresh nonces, SEQ rising on each side, so a line cannot be forged,
-altered, replayed, or moved to another connection or direction. See remote/gang/watch.py.
+altered, replayed, or moved to another connection or direction. See remote/gang/watch.py; the hub's
+door (accepting, and bounding who has not joined yet) is remote/gang/door.py.
 """
 import hashlib
 import hmac
@@ -99,3 +100,4 @@ def _read_line(sock, timeout):
         if eof:
             return None
     return None
+

@@ -14,7 +14,7 @@ def scaled_add_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, x * alpha + y, mask=mask)
 
 
-def scaled_add(x, y, alpha: float):  # type: ignore[no-untyped-def]
+def scaled_add(x, y, alpha: float):
     """out = x * alpha + y, computed by the Triton kernel above."""
     import torch
 

@@ -244,7 +244,7 @@ def _triton_modules() -> Tuple[Any, Any]:
 
 def _all_subclasses(cls: type) -> List[type]:
     out: List[type] = []
-    todo = list(cls.__subclasses__())
+    todo: List[type] = list(cls.__subclasses__())
     while todo:
         sub = todo.pop()
         if sub not in out:
@@ -289,9 +289,9 @@ def install(force: Optional[bool] = None, scan_existing: bool = True,
     with _install_lock:
         marker = cls.__dict__.get(MARKER)
         if marker is not None:
-            report = dict(marker["report"])
-            report["already"] = True
-            return report
+            earlier: Dict[str, Any] = dict(marker["report"])
+            earlier["already"] = True
+            return earlier
         version = getattr(triton, "__version__", None)
         verified, message, sha = check_triton(version, getattr(autotuner, "__file__", None))
         forced = bool(force) if force is not None else os.environ.get(FORCE_ENV, "") not in ("", "0")

@@ -16,6 +16,9 @@ the field, the path and the reason), with or without delete:
 Created folders: dest and the folders under it 0755, ``.dfo/`` and ``.dfo/tmp/`` 0700. Every
 folder under dest is opened relative to its parent with O_NOFOLLOW|O_DIRECTORY (``Tree``), so a
 symlink that appears later makes the open fail; it is never followed.
+
+``open_meta``: the same checks for the ``.dfo`` of any folder the user chose where dfo keeps records
+(outputs.path's shipper), opened the same way.
 """
 from __future__ import annotations
 
@@ -208,6 +211,21 @@ def _open_child(parent_fd, name, parent_path, field, mode, create, what="it"):
             raise
         return fd
     raise OSError(errno.ENOENT, "could not create", path)
+
+
+def open_meta(folder, field, create=True, what="dfo's records"):
+    """The fd of ``folder``/.dfo, where dfo keeps its records for a folder the user chose (outputs.path's
+    shipper: its lock, shipped.json, uploads.json). ``folder`` itself is opened as given (a symlink to it is
+    the user's choice); ``.dfo`` is opened relative to it with O_NOFOLLOW and checked as a destination's
+    ``.dfo`` is: a symlink, not a folder, owned by another user or writable by group or others ->
+    RemoteError "config" naming ``field`` and the path, with nothing written. Created 0700 when missing
+    and ``create``; None when missing and not ``create``. Everything under it is then opened relative to
+    this fd (``dir_fd=``), so a ``.dfo`` swapped for a symlink later is never written through."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return _open_child(fd, META_DIR, folder, field, 0o700, create, what)
+    finally:
+        os.close(fd)
 
 
 def open_dest(real, field):

@@ -52,7 +52,7 @@ def retry(fn, attempts=ATTEMPTS, base=BASE_S, cap=CAP_S, retry_on=is_retryable, 
             if attempt == attempts - 1:
                 if attempts > 1:
                     try:
-                        exc.attempts = attempts
+                        setattr(exc, "attempts", attempts)  # noqa: B010 - any exception type
                     except AttributeError:
                         pass
                 raise

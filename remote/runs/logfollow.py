@@ -133,10 +133,11 @@ class Watch:
     def watch_file(self, path):
         """Wake on writes to ``path`` (a log that replaced the one watched so far) instead: the old
         file may still be written to by the trainer, which must not keep waking the reader."""
-        if self.fd is None:
+        libc = self.libc
+        if self.fd is None or libc is None:
             return
-        self.libc.inotify_rm_watch(self.fd, self.wd)  # fails harmlessly if the inode is gone
-        self.wd = self.libc.inotify_add_watch(self.fd, path.encode(), self.IN_MODIFY)
+        libc.inotify_rm_watch(self.fd, self.wd)  # fails harmlessly if the inode is gone
+        self.wd = libc.inotify_add_watch(self.fd, path.encode(), self.IN_MODIFY)
         if self.wd < 0:
             os.close(self.fd)
             self.fd = None  # poll from now on

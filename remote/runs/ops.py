@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, TypedDict, Union
 
 from remote._proto import RemoteError, emit_event, serve
 from remote.files.runfiles import sync_uploads
+from remote.lib.destsafety import open_meta
 from remote.lib.redact import is_secret, redact
 from remote.runs import outputs
 from remote.runs import record as rec
@@ -248,6 +249,9 @@ def launch(req: LaunchRequest):
     if not _RUN_ID.match(run_id):
         raise RemoteError("usage", "bad run id %r" % run_id)
     root = runs_root(req)
+    workspace = req.get("workspace") or "/workspace"
+    os.makedirs(workspace, exist_ok=True)
+    os.close(open_meta(workspace, "workspace"))  # its .dfo: no symlink, this user's, nobody else may write it
     os.makedirs(root, exist_ok=True)
     lock = open(os.path.join(root, ".launch.lock"), "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # one launch at a time per workspace: check + start is atomic
@@ -313,6 +317,7 @@ def _start(req, run_id, run_dir, uploads):
     finally:
         os.close(w)
         os.close(log_fd)
+    assert sup.stdin is not None  # PIPE
     try:
         sup.stdin.write(spec.encode())
         sup.stdin.close()

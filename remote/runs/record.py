@@ -19,6 +19,7 @@ restarts) and ship.request (a pass asked for). ``remote.runs.supervisor`` writes
 import json
 import os
 import time
+from typing import List, Tuple
 
 from remote.lib.fsutil import write_json  # noqa: F401 - the one durable writer (fsync of file and directory), 0600
 
@@ -79,7 +80,7 @@ def proc_alive(pid, starttime):
 
 def group_members(pgid):
     """Pids of live (non-zombie) processes whose process group is ``pgid``."""
-    out = []
+    out: List[int] = []
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -125,7 +126,7 @@ def run_state(run_dir, meta=None):
 
 def list_runs(root, job=None):
     """[(started_ts, run_id, run_dir)] newest first."""
-    out = []
+    out: List[Tuple[float, str, str]] = []
     try:
         names = os.listdir(root)
     except OSError:

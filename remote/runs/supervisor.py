@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import List, Optional, Tuple
 
 from remote.runs.record import (
     END,
@@ -74,7 +75,7 @@ _STAMP = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
 
 def _kmsg():
     """(seconds since boot, text) of /dev/kmsg's records, or None where it cannot be read."""
-    out = []
+    out: List[Tuple[Optional[float], str]] = []
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -154,7 +155,7 @@ def _start_gang_watch(run_dir, spec, proc, meta):
 
     gang = spec["gang"]
     grace = min(float(meta.get("stop_grace") or GANG_GRACE_MAX), GANG_GRACE_MAX)
-    box = []
+    box: List[GangWatch] = []
 
     def stop_gang():
         ff = (box[0].state().get("first_failure") or {}) if box else {}
@@ -177,7 +178,8 @@ def _start_gang_watch(run_dir, spec, proc, meta):
     watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
                       silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
-                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None)
+                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None,
+                      peer=gang.get("peer"))  # rank 0 listens on its gang address only (or toward the peer)
     box.append(watch)
     try:
         watch.start()
@@ -230,7 +232,7 @@ def supervise(run_dir, status_fd):
         shipper = ShipperWatch(run_dir, spec["outputs"], spec.get("outputs_credentials"), os.path.join(run_dir, LOG))
         shipper.start()
     spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
-    trainer_done = []
+    trainer_done: List[int] = []
     watch = _start_gang_watch(run_dir, spec, proc, meta) if gang else None
     spec["gang"] = None  # the watch holds the secret
 

@@ -16,6 +16,7 @@ import errno
 import hashlib
 import os
 import threading
+from typing import Any, Deque, Tuple
 
 from remote._proto import RemoteError
 from remote.lib.destsafety import identity
@@ -59,7 +60,7 @@ class Tasks:
 
     def __init__(self):
         self.cv = threading.Condition()
-        self.items = collections.deque()
+        self.items: Deque[Tuple[Any, Any]] = collections.deque()  # (object, "prepare" | part | None)
         self.producers = 0
 
     def put(self, item, producer=False):
@@ -374,7 +375,8 @@ def describe_failure(exc, obj, dest, bucket, endpoint):
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             free, inodes = free_bytes(dest), free_inodes(dest)
-            left = "%s and %s inodes free now" % (human(free), inodes) if inodes is not None else human(free) + " free now"
+            left = ("%s and %s inodes free now" % (human(free), inodes) if inodes is not None
+                    else human(free) + " free now")
             return ("verify", "no space left on the filesystem of %s while writing %s from %s (%s)"
                     % (dest, where, endpoint, left),
                     "free space (or inodes) there; finished files are kept, the next run fetches only the rest")

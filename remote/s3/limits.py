@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Deque, Tuple
 
 from remote.lib.retry import Stopped
 
@@ -28,7 +29,7 @@ class CpuGovernor:
         self.window = window
         self.cpu, self.clock, self.sleep, self.stop = cpu, clock, sleep, stop
         self.lock = threading.Lock()
-        self.samples = collections.deque()
+        self.samples: Deque[Tuple[float, float]] = collections.deque()  # (wall, cpu)
         self.slept = 0.0
 
     def throttle(self):

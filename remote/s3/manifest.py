@@ -32,6 +32,7 @@ import json
 import os
 import stat
 import time
+from typing import List
 
 from remote.lib import fsutil
 from remote.lib.destsafety import META_DIR, Tree, _open_child, identity, open_dest
@@ -52,7 +53,7 @@ def _read(dir_fd, name):
     except OSError:
         return None
     try:
-        chunks = []
+        chunks: List[bytes] = []
         while True:
             b = os.read(fd, 1 << 20)
             if not b:
@@ -226,6 +227,7 @@ class Manifest:
 
     def _append(self, rec):
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
+        assert self._jfd is not None, "Manifest.open() first"
         os.write(self._jfd, line)  # O_APPEND: one write per record, never interleaved
         self._dirty = True
 
@@ -240,7 +242,8 @@ class Manifest:
         doc = {"version": VERSION, "source": self.source, "files": self.files}
         if self.other:
             doc["other"] = self.other
-        write_atomic(self.meta_fd, "manifest.json", json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
+        write_atomic(self.meta_fd, "manifest.json",
+                     json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8"))
         if self._jfd is not None:
             os.ftruncate(self._jfd, 0)
         self._dirty = False

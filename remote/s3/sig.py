@@ -18,11 +18,12 @@ import hmac
 import http.client
 import json
 import os
+from typing import Dict, Tuple
 from urllib.parse import quote
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
-_KEY_CACHE = {}  # (secret, date, region, service) -> signing key
+_KEY_CACHE: Dict[Tuple[str, str, str, str], bytes] = {}  # (secret, date, region, service) -> signing key
 
 
 def uri_encode(value, safe_slash):

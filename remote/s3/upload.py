@@ -29,6 +29,7 @@ import re
 import threading
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 from remote.lib.retry import Stopped, retry
 from remote.s3.errors import S3Error, strip_ns
@@ -114,7 +115,7 @@ class Uploader:
         self.progress = progress
         self.stop = stop or threading.Event()
         self.governor = governor or CpuGovernor(cpu, stop=self.stop)
-        self.parts_pool = None
+        self.parts_pool: Optional[ThreadPoolExecutor] = None  # while upload() runs
         self.journal = journal  # .opened(bucket, key, upload_id) / .closed(...): open uploads, kept on disk
         self.memory = MemBudget(max(self.threshold + self.part_size, min(self.concurrency * self.part_size, MEMORY)),
                                 self.stop)
@@ -124,12 +125,12 @@ class Uploader:
         """Upload every item; returns one result dict per item, in order. Never raises for an item."""
         if not items:
             return []
-        self.parts_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="dfo-part")
+        self.parts_pool = parts_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="dfo-part")
         try:
             with ThreadPoolExecutor(min(self.concurrency, len(items)), thread_name_prefix="dfo-put") as pool:
                 return list(pool.map(self._one, items))
         finally:
-            self.parts_pool.shutdown(wait=True)
+            parts_pool.shutdown(wait=True)
             self.parts_pool = None
 
     def _one(self, item):
@@ -255,8 +256,9 @@ class Uploader:
         try:
             nparts = (size + psize - 1) // psize
             halt = threading.Event()  # a part failed: the others not yet started are not sent
-            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i * psize, i, min(psize, size - i * psize),
-                                              halt) for i in range(nparts)]
+            assert self.parts_pool is not None, "multipart uploads run inside upload()"
+            futures = [self.parts_pool.submit(self._part, fd, key, upload_id, i * psize, i,
+                                              min(psize, size - i * psize), halt) for i in range(nparts)]
             results, first = [], None
             for fut in futures:
                 try:
@@ -273,7 +275,7 @@ class Uploader:
             note = self._abort(key, upload_id)
             if note:
                 try:
-                    exc.abort_failed = note
+                    setattr(exc, "abort_failed", note)  # noqa: B010 - any exception type
                 except AttributeError:
                     pass
             raise

@@ -19,6 +19,7 @@ import hashlib
 import re
 import struct
 import zlib
+from typing import List, Optional
 
 PLAIN_ETAG = re.compile(r"^[0-9a-fA-F]{32}$")
 MULTI_ETAG = re.compile(r"^([0-9a-fA-F]{32})-(\d+)$")
@@ -33,14 +34,19 @@ def encrypted_etag(headers):
 
 
 class _Crc32:
+    """CRC32 with hashlib's face (update, digest, hexdigest): 4 bytes big-endian, as S3 encodes it."""
+
     def __init__(self):
         self.value = 0
 
     def update(self, data):
         self.value = zlib.crc32(data, self.value)
 
-    def b64(self):
-        return base64.b64encode(struct.pack(">I", self.value & 0xFFFFFFFF)).decode()
+    def digest(self):
+        return struct.pack(">I", self.value & 0xFFFFFFFF)
+
+    def hexdigest(self):
+        return self.digest().hex()
 
 
 class Verifier:
@@ -57,8 +63,6 @@ class Verifier:
     def actual(self):
         if self.kind == "md5":
             return self._h.hexdigest()
-        if self.kind == "crc32":
-            return self._h.b64()
         return base64.b64encode(self._h.digest()).decode()
 
     def ok(self):
@@ -94,28 +98,26 @@ class PartsVerifier:
         self.expected = expected
         self.part_size = part_size
         self.count = max(1, -(-size // part_size))
-        self.results = [None] * self.count
+        self.results: List[Optional[bytes]] = [None] * self.count  # each upload part's digest
         self._alg = kind.split("-")[0]
 
     def _new(self):
         return _Crc32() if self._alg == "crc32" else hashlib.new(self._alg)
-
-    def _digest(self, h):
-        return struct.pack(">I", h.value & 0xFFFFFFFF) if self._alg == "crc32" else h.digest()
 
     def segment(self, start, length):
         """A hasher for the bytes [start, start+length), which must begin on an upload part boundary."""
         return _Segment(self, start, length)
 
     def actual(self):
-        if any(r is None for r in self.results):
+        parts = [r for r in self.results if r is not None]
+        if len(parts) < self.count:
             return "(parts missing)"
-        joined = b"".join(self.results)
+        joined = b"".join(parts)
         if self.kind == "md5-multipart":
             return "%s-%d" % (hashlib.md5(joined).hexdigest(), self.count)
         h = self._new()
         h.update(joined)
-        return "%s-%d" % (base64.b64encode(self._digest(h)).decode(), self.count)
+        return "%s-%d" % (base64.b64encode(h.digest()).decode(), self.count)
 
     def ok(self):
         got = self.actual()
@@ -141,7 +143,7 @@ class _Segment:
             view = view[take:]
             self.pos += take
             if self.pos == boundary:
-                pv.results[self.index] = pv._digest(self.h)
+                pv.results[self.index] = self.h.digest()
                 self.index += 1
                 self.h = pv._new()
 

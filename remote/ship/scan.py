@@ -16,12 +16,14 @@ import json
 import os
 import stat
 import threading
+from typing import Set, Tuple
 
-from remote.lib.fsutil import write_atomic
+from remote.lib.fsutil import FILE_FLAGS, write_atomic
 from remote.lib.globpat import compile_rules
 
 META = ".dfo"
 SHIPPED = "shipped.json"
+UPLOADS = "uploads.json"
 
 
 class Includer:
@@ -101,7 +103,7 @@ def settled(st, now_ns, settle_s, open_w, moved=False):
 def open_for_writing(proc="/proc"):
     """{(st_dev, st_ino)} of the files open for writing (O_WRONLY or O_RDWR) by the processes this user
     may look at. Processes of other users are not visible, and so count as not writing."""
-    held = set()
+    held: Set[Tuple[int, int]] = set()
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
@@ -131,18 +133,24 @@ def open_for_writing(proc="/proc"):
     return held
 
 
-class Shipped:
-    """PATH/.dfo/shipped.json: what this path's files were shipped as (rel -> entry)."""
+def _load_json(meta_fd, name):
+    """The JSON document in file ``name`` of folder ``meta_fd`` (a symlink there is not followed)."""
+    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=meta_fd)
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
 
-    def __init__(self, root):
-        self.meta = os.path.join(root, META)
-        self.path = os.path.join(self.meta, SHIPPED)
+
+class Shipped:
+    """PATH/.dfo/shipped.json: what this path's files were shipped as (rel -> entry). ``meta_fd``: PATH/.dfo
+    opened by ``remote.lib.destsafety.open_meta`` (no symlink followed, its owner and mode checked)."""
+
+    def __init__(self, meta_fd):
+        self.meta_fd = meta_fd
         self.files = {}
 
     def load(self):
         try:
-            with open(self.path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
+            doc = _load_json(self.meta_fd, SHIPPED)
             files = doc.get("files") if isinstance(doc, dict) else None
             self.files = files if isinstance(files, dict) else {}
         except (OSError, ValueError):
@@ -151,7 +159,9 @@ class Shipped:
 
     def current(self, rel, st, key):
         e = self.files.get(rel)
-        return bool(e) and e.get("key") == key and e.get("size") == st.st_size and \
+        if not e:
+            return False
+        return e.get("key") == key and e.get("size") == st.st_size and \
             e.get("mtime_ns") == st.st_mtime_ns and e.get("ino") == st.st_ino
 
     def record(self, rel, st, key, etag, sha256):
@@ -159,23 +169,21 @@ class Shipped:
                            "sha256": sha256, "key": key}
 
     def save(self):
-        os.makedirs(self.meta, mode=0o700, exist_ok=True)
         data = json.dumps({"version": 1, "files": self.files}, sort_keys=True, separators=(",", ":"))
-        write_atomic(self.path, data.encode("utf-8"), 0o600)
+        write_atomic(SHIPPED, data.encode("utf-8"), 0o600, dir_fd=self.meta_fd)
 
 
 class OpenUploads:
     """PATH/.dfo/uploads.json: the multipart uploads this path's shipper has open. One left there by a
     shipper that was killed (SIGKILL, the node rebooted) is aborted by the next pass, so that no
-    orphan parts stay behind (they cost storage and are invisible in a listing)."""
+    orphan parts stay behind (they cost storage and are invisible in a listing). ``meta_fd`` as Shipped's."""
 
-    def __init__(self, root):
-        self.path = os.path.join(root, META, "uploads.json")
+    def __init__(self, meta_fd):
+        self.meta_fd = meta_fd
         self.lock = threading.Lock()
         self.open = {}
         try:
-            with open(self.path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
+            doc = _load_json(meta_fd, UPLOADS)
             for u in doc.get("uploads") or []:
                 self.open[(u["bucket"], u["key"], u["id"])] = True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -183,7 +191,7 @@ class OpenUploads:
 
     def _save(self):
         doc = {"uploads": [{"bucket": b, "key": k, "id": i} for b, k, i in sorted(self.open)]}
-        write_atomic(self.path, json.dumps(doc).encode("utf-8"), 0o600)
+        write_atomic(UPLOADS, json.dumps(doc).encode("utf-8"), 0o600, dir_fd=self.meta_fd)
 
     def opened(self, bucket, key, upload_id):
         with self.lock:

@@ -21,14 +21,18 @@ import signal
 import sys
 import threading
 import time
+from typing import Any, Callable, Dict, List, Set, Tuple
 
-from remote.lib.fsutil import human_bytes
+from remote._proto import RemoteError
+from remote.lib.destsafety import open_meta
+from remote.lib.fsutil import FILE_FLAGS, human_bytes
 from remote.lib.retry import Stopped, retry
 from remote.s3.client import S3Error, split_s3_url
 from remote.s3.upload import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads, part_size_for
-from remote.ship.scan import META, Includer, OpenUploads, Shipped, open_for_writing, renamed, scan, settled
+from remote.ship.scan import Includer, OpenUploads, Shipped, open_for_writing, renamed, scan, settled
 from remote.ship.state import ENDED, ERRORS_KEPT, OUTPUTS_JSON, State, iso  # noqa: F401 - re-exported
 
+FIELD = "outputs.path"
 HEAD_AT_MOST = 32  # files not yet in shipped.json: up to this many are looked up with a HEAD each, else a listing
 FINAL_WAIT_STEP_S = 0.5
 
@@ -73,6 +77,9 @@ class Shipper:
             lag = self._pass(p, final)
         except Stopped:
             p.update(ok=False, error="stopped (SIGTERM) during the pass")
+        except RemoteError as exc:  # outputs.path/.dfo refused (remote.lib.destsafety.open_meta): nothing written
+            hint = exc.extra.get("hint")
+            p.update(ok=False, error=exc.message + ("; %s" % hint if hint else ""))
         except S3Error as exc:
             p.update(ok=False, error=exc.described())
         except OSError as exc:
@@ -94,13 +101,18 @@ class Shipper:
             return 0.0  # nothing written yet
         settle = float(self.spec.get("settle") if self.spec.get("settle") is not None else 10)
         includer = Includer(self.spec.get("include"))
-        os.makedirs(os.path.join(self.root, META), mode=0o700, exist_ok=True)
-        lock_fd = os.open(os.path.join(self.root, META, "ship.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # PATH/.dfo: never through a symlink, this user's, nobody else may write it; all under it by its fd
+        meta_fd = open_meta(self.root, FIELD)
+        try:
+            lock_fd = os.open("ship.lock", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=meta_fd)
+        except BaseException:
+            os.close(meta_fd)
+            raise
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one pass at a time on this path (shipper, or dfo outputs --ship)
-            journal = OpenUploads(self.root)
+            journal = OpenUploads(meta_fd)
             self._abort_left(journal)
-            shipped = Shipped(self.root).load()
+            shipped = Shipped(meta_fd).load()
             ready, pending = self._ready(includer, shipped, prefix, settle, final, p)
             shipped.files = {rel: e for rel, e in shipped.files.items() if rel in self._seen}  # gone: forgotten
             p["pending"] = len(pending)
@@ -131,6 +143,7 @@ class Shipper:
             shipped.save()
         finally:
             os.close(lock_fd)
+            os.close(meta_fd)
         if self.stop.is_set():
             raise Stopped()
         if errors:
@@ -140,7 +153,7 @@ class Shipper:
 
     def _ready(self, includer, shipped, prefix, settle, final, p):
         """(files to ship now, files still settling) among those not shipped as they are."""
-        cache = []
+        cache: List[Set[Tuple[int, int]]] = []
 
         def open_w():
             if not cache:
@@ -150,7 +163,7 @@ class Shipper:
         while True:
             ready, pending = [], []
             now = time.time_ns()
-            inodes = {}
+            inodes: Dict[Tuple[int, int], str] = {}
             found = scan(self.root, includer, inodes)
             before, self._inodes = getattr(self, "_inodes", None), inodes
             before_names = set(before.values()) if before else set()
@@ -180,6 +193,7 @@ class Shipper:
         unknown = [(rel, st) for rel, st in ready if rel not in shipped.files]
         if not unknown:
             return ready
+        look: Callable[[str], Any]  # key -> {size, etag, sha256?} or None
         if len(unknown) > HEAD_AT_MOST:  # many (a restore put them back): one listing
             try:
                 listed = {o["key"]: o for o in self._client().list_objects(bucket, prefix, stop=self.stop)}

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 from remote.runs.record import OUTPUTS, SHIPPER, now_iso, proc_stat, read_json, write_json
 
@@ -42,7 +43,8 @@ class ShipperWatch:
     def __init__(self, run_dir, spec, credentials, log_path):
         self.run_dir = run_dir
         self.public = dict((k, spec.get(k)) for k in ("dest", "path", "every"))
-        self._line = (json.dumps(dict(spec, credentials=credentials), separators=(",", ":")) + "\n").encode()
+        line = json.dumps(dict(spec, credentials=credentials), separators=(",", ":")) + "\n"
+        self._line: Optional[bytes] = line.encode()
         self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.lock = threading.Lock()
         self.proc = None
@@ -111,6 +113,7 @@ class ShipperWatch:
         except OSError as exc:
             self._say("could not start the shipper: %s" % exc)
             return None
+        assert proc.stdin is not None and self._line is not None  # PIPE; the line stays until the watch ends
         try:
             proc.stdin.write(self._line)
             proc.stdin.flush()

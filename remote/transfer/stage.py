@@ -181,7 +181,8 @@ def _copy_one(src, manifest, tmp, rel, size, progress, stop):
                 off += len(data)
                 progress.add(len(data))
             if off != size:
-                raise RemoteError("verify", "%s changed while it was copied (%d bytes read, %d listed)" % (src, off, size))
+                raise RemoteError("verify", "%s changed while it was copied (%d bytes read, %d listed)"
+                                  % (src, off, size))
             back, n = _crc_file(fdo, off)
             if n != size or back != crc:
                 raise RemoteError("verify", "%s: the copy reads back different bytes (crc32 %08x vs %08x)"

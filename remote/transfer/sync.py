@@ -243,7 +243,8 @@ def delete_extra(manifest, keep):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise RemoteError("verify", "cannot delete %s: %s" % (os.path.join(manifest.dest, rel), exc.strerror)) from None
+            raise RemoteError("verify", "cannot delete %s: %s"
+                              % (os.path.join(manifest.dest, rel), exc.strerror)) from None
         manifest.forget(rel)
         deleted += 1
         emptied.add(reldir)
@@ -275,7 +276,8 @@ def sync(req):
     objs = list_source(client, bucket, prefix, skip_meta=bool(req.get("restore")))
     if not objs and req.get("restore"):  # outputs restore: nothing shipped there yet
         return {"source": source, "dest": shown, "endpoint": client.endpoint, "fetched": 0, "skipped": 0,
-                "deleted": 0, "bytes": 0, "files_total": 0, "bytes_total": 0, "seconds": round(time.monotonic() - t0, 3),
+                "deleted": 0, "bytes": 0, "files_total": 0, "bytes_total": 0,
+                "seconds": round(time.monotonic() - t0, 3),
                 "mb_per_s": 0.0, "verified": {}, "changed": 0, "changed_files": [], "kept": 0, "kept_files": []}
     if not objs:
         raise RemoteError("verify", "no objects under %s (%s)" % (source, client.endpoint),

@@ -279,8 +279,8 @@ def train_pairs(a: argparse.Namespace) -> int:
         total += x.numel()
         if step % a.log_interval == 0 or step == a.max_steps:
             el = time.time() - t0
-            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} elapsed {el:.1f}s",
-                  flush=True)
+            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
+                  f"elapsed {el:.1f}s", flush=True)
         if step % a.save_interval == 0 or step == a.max_steps:
             save(ckpt_path, {"drafter": master.state_dict(), "opt": opt.state_dict(), "step": step,
                              "tokens": total, "dp_pairs": n})
@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_path = os.path.join(a.output_dir, "ckpt-last.pt")
     tokens, doc_ids = load_shards(a.data_dir)
     n_dev = max(1, a.dp_replicas)
-    devices = [f"cuda:{i % max(1, torch.cuda.device_count())}" for i in range(n_dev)] if a.device.startswith("cuda") else ["cpu"] * n_dev
+    devices = ([f"cuda:{i % max(1, torch.cuda.device_count())}" for i in range(n_dev)]
+               if a.device.startswith("cuda") else ["cpu"] * n_dev)
     targets = []
     for dev in devices:
         t, cfg = load_target(a.target_model, a.target)
@@ -457,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         seen += x.numel()
         if step % a.log_interval == 0 or step == a.max_steps:
             el = time.time() - t0
-            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} elapsed {el:.1f}s",
-                  flush=True)
+            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
+                  f"elapsed {el:.1f}s", flush=True)
         if step % a.save_interval == 0 or step == a.max_steps:
             save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
     print(f"done: {step} steps, checkpoint {ckpt_path}", flush=True)

@@ -124,7 +124,8 @@ class _Finder(object):
             self._busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _Loader(spec.loader, self)
+        # duck-typed: _Loader delegates to the real loader (no importlib.abc import at start-up)
+        spec.loader = _Loader(spec.loader, self)  # type: ignore[assignment]
         return spec
 
     def remove(self):

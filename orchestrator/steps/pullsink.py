@@ -1,0 +1,397 @@
+"""Where dfo pull writes on this machine, and how: nothing the node says is trusted for it.
+
+* ``PullDir``: the destination DIR, opened once; every folder inside it is opened without
+  following symlinks (``O_NOFOLLOW`` from DIR's own descriptor), so a symlinked folder planted in
+  DIR is never written through. DIR/.dfo/ holds the lock (one pull at a time per DIR, flock, not
+  waited for), the pull manifest and partial/.
+* ``Sink``: the node's stream of events into partial files. A file whose bytes pass its listed
+  size stops the transfer at once; at its end the partial file is fsync'ed, then READ BACK from
+  disk: its size must be the listed size and its sha256 the node's, before it is renamed into
+  place, and only over a file this pull may replace (see ``PullDir.may_replace``).
+* An OSError here (disk full, permission, a file size limit) is a ``LocalError`` naming the path
+  (exit 3), never taken for the connection's failure.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from remote.lib.fsutil import FILE_FLAGS, write_atomic
+
+from ..errors import VerifyError
+
+MANIFEST = "pull-manifest.json"
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+class LocalError(VerifyError):
+    """This machine could not write what the pull needs (disk full, permission): exit 3, naming the path."""
+
+    kind = "local"
+
+
+def local_error(exc: OSError, what: str, host: str) -> LocalError:
+    return LocalError(f"pull: could not write {what} on this machine: {exc.strerror or exc}", host=host,
+                      hint="free space or fix the permissions there, then run the same pull again (it resumes)")
+
+
+class InTheWay(Exception):
+    """A name along a file's path here that is a symlink or not a folder: dfo pull does not write through it."""
+
+
+# code points HFS+ ignores in names (git's is_hfs_dotgit): ".g\u200cit" is .git on a Mac's disk
+_IGNORED = re.compile("[\u200c-\u200f\u202a-\u202e\u206a-\u206f\ufeff]")
+
+
+def is_git(rel: str) -> bool:
+    """A name with a .git component, as any disk this runs on may spell it: any case, HFS+'s ignored
+    code points, NTFS's trailing dots and spaces and its short name GIT~1."""
+    for p in rel.split("/"):
+        p = _IGNORED.sub("", p).lower().rstrip(". ")
+        if p in (".git", "git~1"):
+            return True
+    return False
+
+
+class PullDir:
+    """DIR (``base`` joined with ``parts``, each part a single checked name), its .dfo/ and lock."""
+
+    def __init__(self, base: Path, parts: list[str], host: str) -> None:
+        self.path = base.joinpath(*parts)
+        self.host = host
+        self.fd = self.meta_fd = self.part_fd = self.lock_fd = -1
+        try:
+            try:
+                base.mkdir(parents=True, exist_ok=True)  # the folder the user chose (--to DIR, or ./runs)
+                self.fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+                for p in parts:
+                    fd, self.fd = self.fd, -1
+                    self.fd = self._child(fd, p, self.path, close=True)
+                self.meta_fd = self._child(self.fd, ".dfo", self.path)
+                self.lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o644, dir_fd=self.meta_fd)
+            except OSError as exc:
+                raise local_error(exc, f"{self.path}/.dfo", host) from None
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise local_error(exc, f"{self.path}/.dfo/lock", host) from None
+                holder = os.pread(self.lock_fd, 32, 0).decode("ascii", "replace").strip()
+                raise VerifyError(f"pull: another dfo pull (pid {holder or '?'}) is writing into {self.path}",
+                                  host=host, hint="wait for it to end (one pull at a time per folder), "
+                                                  "or pull into another folder with --to") from None
+            try:
+                os.ftruncate(self.lock_fd, 0)
+                os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode("ascii"), 0)
+                self.part_fd = self._child(self.meta_fd, "partial", self.path / ".dfo")
+            except OSError as exc:
+                raise local_error(exc, f"{self.path}/.dfo/partial", host) from None
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _child(fd: int, name: str, where: Path, close: bool = False) -> int:
+        """The folder ``name`` in ``fd`` (made when missing), never through a symlink; ``close``: ``fd`` too."""
+        try:
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                return os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, f"{where / name} is a symlink or not a folder; "
+                                             "dfo pull writes through neither") from None
+                raise
+        finally:
+            if close:
+                os.close(fd)
+
+    def close(self) -> None:
+        for fd in (self.part_fd, self.lock_fd, self.meta_fd, self.fd):  # the lock ends with its descriptor
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.meta_fd = self.part_fd = self.lock_fd = -1
+
+    # ------------------------------------------------------------------ the manifest
+    def read_manifest(self) -> dict[str, Any]:
+        try:
+            fd = os.open(MANIFEST, os.O_RDONLY | FILE_FLAGS, dir_fd=self.meta_fd)
+            with os.fdopen(fd, "rb") as f:
+                files = json.loads(f.read()).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return files if isinstance(files, dict) else {}
+
+    def save_manifest(self, doc: dict[str, Any]) -> None:
+        try:
+            write_atomic(MANIFEST, json.dumps(doc).encode("utf-8", "surrogateescape"), mode=0o644,
+                         dir_fd=self.meta_fd)
+        except OSError as exc:
+            raise local_error(exc, f"{self.path}/.dfo/{MANIFEST}", self.host) from None
+
+    # ------------------------------------------------------------------ files in DIR
+    def parent(self, rel: str, create: bool) -> int | None:
+        """A new descriptor of rel's folder in DIR, each step without following a link (None: missing,
+        with ``create`` False). InTheWay when a step is a symlink or not a folder."""
+        fd = os.dup(self.fd)
+        parts = rel.split("/")[:-1]
+        try:
+            for i, p in enumerate(parts):
+                if create:
+                    try:
+                        os.mkdir(p, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    nfd = os.open(p, DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if create:
+                        raise
+                    os.close(fd)
+                    return None
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise InTheWay(f"{'/'.join(parts[:i + 1])} here is a symlink or not a folder") from None
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """The file here as it is (a link not followed), None when absent; InTheWay as ``parent``."""
+        fd = self.parent(rel, create=False)
+        if fd is None:
+            return None
+        try:
+            return os.stat(rel.rsplit("/", 1)[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def ours(st: os.stat_result, m: Any) -> bool:
+        """The local file is as this pull's manifest says dfo wrote it (same size, mtime_ns and inode)."""
+        return isinstance(m, dict) and stat.S_ISREG(st.st_mode) and \
+            m.get("local") == [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def may_replace(self, rel: str, m: Any, overwrite: bool) -> str | None:
+        """None when the node's file may be written at rel, else why not (the local file is kept)."""
+        try:
+            st = self.lstat(rel)
+        except InTheWay as exc:
+            return str(exc)
+        if st is None or self.ours(st, m):
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            return "a folder here"
+        return None if overwrite else "not written by dfo pull, or changed since"
+
+
+class Sink:
+    """Writes the node's events for ``wanted`` into DIR/.dfo/partial/, checks each file on disk, places it."""
+
+    def __init__(self, d: PullDir, wanted: list[dict[str, Any]], manifest: dict[str, Any], overwrite: bool,
+                 save: Callable[[], None]) -> None:
+        self.d, self.wanted, self.manifest, self.overwrite, self.save = d, wanted, manifest, overwrite, save
+        self.host = d.host
+        self.cur: int | None = None
+        self.last = -1  # the highest index the node has sent: it sends the files in the order asked
+        self.fd = -1
+        self.got = 0  # bytes of the current file received in this pull
+        self.state: dict[int, str] = {}  # index -> "open" | "done" | "changed" | "bad" | "kept"
+        self.bytes = 0
+        self.done = 0
+        self.changed: list[str] = []
+        self.bad: list[str] = []
+        self.kept: list[str] = []
+        self.last_save = time.monotonic()
+
+    @staticmethod
+    def part(rel: str) -> str:
+        return hashlib.sha256(rel.encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".part"
+
+    def resumable(self, rel: str, size: int, mtime_ns: int) -> int:
+        """Bytes of rel already in its partial file from an interrupted pull of the same node file (0: none)."""
+        name = self.part(rel)
+        try:
+            fd = os.open(name + ".json", os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
+            with os.fdopen(fd, "rb") as f:
+                pm = json.loads(f.read())
+            have = os.stat(name, dir_fd=self.d.part_fd, follow_symlinks=False).st_size
+        except (OSError, ValueError):
+            return 0
+        ok = isinstance(pm, dict) and pm.get("path") == rel and pm.get("size") == size \
+            and pm.get("mtime_ns") == mtime_ns
+        return have if ok and 0 < have <= size else 0
+
+    def _where(self, rel: str) -> str:
+        return f"{self.d.path}/{rel} (partial: {self.d.path}/.dfo/partial/{self.part(rel)})"
+
+    def _drop(self, rel: str) -> None:
+        for name in (self.part(rel), self.part(rel) + ".json"):
+            try:
+                os.unlink(name, dir_fd=self.d.part_fd)
+            except FileNotFoundError:
+                pass
+
+    def _open(self, i: int) -> None:
+        f = self.wanted[i]
+        name = self.part(f["path"])
+        self.cur, self.got, self.state[i] = i, 0, "open"
+        if f["offset"]:
+            self.fd = os.open(name, os.O_WRONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
+            os.ftruncate(self.fd, f["offset"])
+            os.lseek(self.fd, f["offset"], os.SEEK_SET)
+        else:
+            self.fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o644, dir_fd=self.d.part_fd)
+        write_atomic(name + ".json", json.dumps({"path": f["path"], "size": f["size"], "mtime_ns": f["mtime_ns"]}
+                                                ).encode("utf-8", "surrogateescape"), dir_fd=self.d.part_fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.cur = -1, None
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        t, i = ev.get("t"), ev.get("i")
+        if t not in ("d", "end", "changed"):
+            return
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.wanted):
+            raise VerifyError(f"pull: the node sent an event for a file it was not asked for ({i!r})", host=self.host,
+                              hint="the node's dfo code is not dfo's: check the node")
+        rel = self.wanted[i]["path"]
+        if self.state.get(i, "open") != "open" or i < self.last:
+            self.abort()
+            raise VerifyError(f"pull: the node sent {rel!r} again, after its end; the transfer was stopped",
+                              host=self.host, hint="the node's dfo code is not dfo's: check the node")
+        self.last = i
+        try:
+            if t == "d":
+                self._data(i, ev)
+            elif t == "end":
+                self._end(i, ev)
+            else:
+                if self.cur == i:
+                    self.close()
+                    self._drop(rel)
+                self.state[i] = "changed"
+                self.changed.append(rel)
+        except OSError as exc:
+            self.close()
+            raise local_error(exc, self._where(rel), self.host) from None
+
+    def _switch(self, i: int) -> None:
+        if self.cur != i:
+            if self.cur is not None:  # the node moved on without ending the file it was sending
+                prev = self.wanted[self.cur]["path"]
+                self.abort()
+                raise VerifyError(f"pull: the node left {prev!r} unfinished; the transfer was stopped",
+                                  host=self.host, hint="run the same pull again")
+            self._open(i)
+
+    def _data(self, i: int, ev: dict[str, Any]) -> None:
+        f = self.wanted[i]
+        self._switch(i)
+        try:
+            data = base64.b64decode(ev.get("b") or "", validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            self.abort()
+            raise VerifyError(f"pull: the node sent malformed data for {f['path']!r}", host=self.host) from None
+        if f["offset"] + self.got + len(data) > f["size"]:
+            self.abort()
+            raise VerifyError(f"pull: the node sent more than the {f['size']} B it listed for {f['path']!r}; "
+                              "the transfer was stopped and nothing of that file kept", host=self.host,
+                              hint="the node's file grew while it was sent, or the node is not to be trusted")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        self.got += len(data)
+        self.bytes += len(data)
+
+    def _end(self, i: int, ev: dict[str, Any]) -> None:
+        f = self.wanted[i]
+        rel = f["path"]
+        self._switch(i)  # nothing after the offset (an empty file, or all of it was here)
+        os.fsync(self.fd)
+        self.close()
+        self.state[i] = "bad"
+        want = ev.get("sha256")
+        size, digest = self._read_back(rel)  # the file as it is on disk, not the bytes as they passed
+        if size != f["size"] or not isinstance(want, str) or not _SHA.match(want) or digest != want:
+            self._drop(rel)
+            self.bad.append(rel + (f" ({size} B, listed {f['size']} B)" if size != f["size"] else ""))
+            return
+        why = self.d.may_replace(rel, self.manifest.get(rel), self.overwrite)  # again: DIR may have changed
+        if why is not None:
+            self._drop(rel)
+            self.state[i] = "kept"
+            self.kept.append(rel)
+            return
+        name = rel.rsplit("/", 1)[-1]
+        try:
+            pfd = self.d.parent(rel, create=True)
+        except InTheWay:
+            self._drop(rel)
+            self.state[i] = "kept"
+            self.kept.append(rel)
+            return
+        assert pfd is not None
+        try:
+            os.replace(self.part(rel), name, src_dir_fd=self.d.part_fd, dst_dir_fd=pfd)
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+        self._drop(rel)  # the .json beside the partial file
+        self.state[i] = "done"
+        self.manifest[rel] = {"size": f["size"], "mtime_ns": f["mtime_ns"], "sha256": want,
+                              "local": [st.st_size, st.st_mtime_ns, st.st_ino]}
+        self.done += 1
+        if time.monotonic() - self.last_save > 2:
+            self.save()
+            self.last_save = time.monotonic()
+
+    def _read_back(self, rel: str) -> tuple[int, str]:
+        h = hashlib.sha256()
+        n = 0
+        fd = os.open(self.part(rel), os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
+        try:
+            while True:
+                buf = os.read(fd, 8 << 20)
+                if not buf:
+                    return n, h.hexdigest()
+                h.update(buf)
+                n += len(buf)
+        finally:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """The current file's partial is not kept (the node broke the rules sending it)."""
+        if self.cur is not None:
+            rel = self.wanted[self.cur]["path"]
+            self.state[self.cur] = "bad"
+            self.close()
+            self._drop(rel)
+
+    def unfinished(self) -> list[str]:
+        """Files the node neither ended nor reported changed."""
+        return [w["path"] for i, w in enumerate(self.wanted) if self.state.get(i) in (None, "open")]
