@@ -290,7 +290,8 @@ def test_a_node_dies_and_the_run_goes_on(make_testbed: MakeTestbed, tmp_path: Pa
 
     # 1. dfo up on node A, with outputs: (it provisions, stages, syncs, launches and tails)
     # 2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, "demo", key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, "demo", key,
+                           ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=300, detach_after=15)
     shipped = s3.get_object(Bucket="demo", Key=key)["Body"].read()
     step = ckpt_step(shipped)
@@ -420,7 +421,8 @@ def test_a_node_dies_and_the_run_goes_on_without_torch(make_testbed: MakeTestbed
     t0 = time.monotonic()
 
     # 1. dfo up on node A, with outputs:  2. after two shipped checkpoints, A vanishes
-    _two_ships_then_vanish(tb, story, a, job, bucket, key, ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
+    _two_ships_then_vanish(tb, story, a, job, bucket, key,
+                           ("sshd", "remote.runs.supervisor", "train.py", "remote.ship.shipper"),
                            ship_timeout=120, detach_after=1)
     shipped = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     step = shipped["step"]

@@ -57,8 +57,8 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
 
     def detached() -> None:
         for host in sess.names:
-            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running (resume: {safe(view.resume(host))})",
-                              highlight=False, soft_wrap=True)
+            err_console.print(f"dfo: detached from {safe(host)}; the run keeps running "
+                              f"(resume: {safe(view.resume(host))})", highlight=False, soft_wrap=True)
 
     def on_sigint(signum: int, frame: object) -> None:
         # Ctrl-C while following: leave at once. Nothing on the node needs cleaning up, and closing

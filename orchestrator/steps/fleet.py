@@ -196,7 +196,8 @@ def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follo
     for o in outcomes:
         if o.error is not None:
             if isinstance(o.error, ConnectionLost):
-                o.error.hint = f"the run is not affected; resume with: {view.resume(o.host, current.get(o.host) or run)}"
+                again = view.resume(o.host, current.get(o.host) or run)
+                o.error.hint = f"the run is not affected; resume with: {again}"
             code = max(code, o.error.exit_code)
         elif not no_follow:
             info = o.value
