@@ -13,7 +13,7 @@ Every import counts: at module level, inside a function (a lazy import) and unde
 of two or more modules. Layers, lowest first (an arrow may point down or sideways, never up):
 
     0 node     remote.*                       runs on the node; imports nothing of orchestrator
-    1 base     orchestrator (package), errors, config.*, localenv, terminal
+    1 base     orchestrator (package), errors, config.*, localenv, terminal, nodepath
     2 reach    transport.*, agent, hosts, facts.*, diagnosis
     3 steps    steps.*, demo.*, testbed.*     idempotent operations; the demo's and tests' parts
     4 commands commands.*, cli_common, console  load models, call a step, render
@@ -46,9 +46,9 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (2, "reach", ("orchestrator.transport", "orchestrator.agent", "orchestrator.hosts", "orchestrator.facts",
                   "orchestrator.diagnosis",
                   "orchestrator.connection", "orchestrator.localconn", "orchestrator.hostkeys",
-                  "orchestrator.known_hosts", "orchestrator.liveness")),
+                  "orchestrator.known_hosts", "orchestrator.liveness", "orchestrator.openssh")),
     (1, "base", ("orchestrator.errors", "orchestrator.config", "orchestrator.localenv", "orchestrator.terminal",
-                 "orchestrator.jobrules", "orchestrator.yamlpos")),
+                 "orchestrator.nodepath", "orchestrator.jobrules", "orchestrator.yamlpos")),
     (0, "node", ("remote",)),
 ]
 

@@ -99,6 +99,10 @@ MOVES: list[tuple[str, str]] = [
     ("orchestrator/hostkeys.py", "orchestrator/transport/hostkeys.py"),
     ("orchestrator/known_hosts.py", "orchestrator/transport/known_hosts.py"),
     ("orchestrator/liveness.py", "orchestrator/transport/liveness.py"),
+    ("orchestrator/openssh.py", "orchestrator/transport/openssh.py"),  # the OpenSSH transport, added on main
+    ("orchestrator/openssh_errors.py", "orchestrator/transport/openssh_errors.py"),  # after the move was planned
+    ("orchestrator/openssh_keys.py", "orchestrator/transport/openssh_keys.py"),
+    ("orchestrator/openssh_setup.py", "orchestrator/transport/openssh_setup.py"),
     # orchestrator/config: inventory and job files
     ("orchestrator/config.py", "orchestrator/config/models.py"),
     ("orchestrator/jobrules.py", "orchestrator/config/rules.py"),
