@@ -51,7 +51,7 @@ from .errors import ConnectionLost, DfoError, HostError
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 from .liveness import bounds as liveness_bounds
-from .transport import Result, Transport, _Collector, _Tail, open_connection
+from .transport import Result, Transport, _Collector, _Tail, open_connection, sh_command
 
 __all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint",
            "open_connection"]
@@ -204,7 +204,7 @@ class Connection(Transport):
         """The fabric Connection to the target: its address, port and user as resolved (the inventory
         wins), its gateway from the inventory's proxy_jump or ssh_config's ProxyJump/ProxyCommand."""
         h = self.host
-        config = ssh_configuration()  # shared, read-only here (fabric's clone() would re-read the files)
+        config = ssh_configuration(h.ssh_config)  # shared, read-only (fabric's clone() would re-read the files)
         gateway: Any = False
         if h.proxy_jump:
             gateway = _jump_chain(h.proxy_jump, config, h, 0) or False
@@ -282,7 +282,7 @@ class Connection(Transport):
         start = time.monotonic()
         try:
             chan = transport.open_session(timeout=self.host.connect_timeout)
-            chan.exec_command(command)
+            chan.exec_command(sh_command(command))  # under sh, whatever the login shell is
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise self._lost(str(exc)) from None
         try:

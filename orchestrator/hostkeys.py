@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import shlex
-import threading
 from pathlib import Path
 
 import paramiko
@@ -23,7 +22,7 @@ from .config import ResolvedHost
 from .errors import HostKeyError
 from .known_hosts import Entry, KnownHosts
 
-_KH_LOCK = threading.Lock()
+_KH_LOCK = known_hosts.KH_LOCK  # shared with the OpenSSH transport (openssh_keys.py)
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -60,11 +59,29 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
             if revoked is not None:
                 raise _revoked_error(self.host, hostname, key, revoked)
             same = [e for e in kh.recorded(hostname) if e.key_type == key.get_name()]
+            ca = next((e for e in kh.entries if e.marker == "@cert-authority" and e.matches(hostname)), None)
+            if not same and ca is not None:
+                raise HostKeyError(
+                    f"host key for {hostname}: a @cert-authority line covers it ({p}:{ca.lineno}), and the paramiko "
+                    "transport does not verify host certificates; a plain key is never trusted on first use "
+                    "there; nothing was run", host=self.host.name,
+                    hint="use transport: openssh (OpenSSH verifies host certificates), or, if you trust the "
+                         f"node's key, record it in {p} yourself")
             if not same:
                 known_hosts.append(str(p), hostname, key.get_name(), blob)
+                import sys
+
+                sys.stderr.write(f"dfo: {self.host.name}: recorded host key {_kind(key.get_name())} "
+                                 f"{fingerprint(key)} for {hostname} (in {p})\n")
             elif all(e.blob != blob for e in same):
                 raise paramiko.BadHostKeyException(hostname, key, _pkey(same[0]) or key)
         client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _kind(key_type: str) -> str:
+    from .openssh_keys import key_kind  # ssh-keygen's names (ED25519, RSA, ECDSA), as OpenSSH's transport says them
+
+    return key_kind(key_type)
 
 
 def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:

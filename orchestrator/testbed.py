@@ -38,6 +38,7 @@ import pwd
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -398,3 +399,21 @@ class Testbed:
                 return new
             time.sleep(0.05)
         raise TestbedError(f"{st.node.name}: sshd did not serve the new host key within {timeout:.0f}s")
+
+    def set_login_shell(self, node: Node | str, shell: str) -> None:
+        """Give the node's login user another login shell (fish, tcsh, ...: installed on this machine), for
+        new SSH sessions: a copy of the node's /etc/passwd with that user's shell changed, bound over
+        /etc/passwd inside the node's own mount namespace (this machine's file is untouched)."""
+        st = self._st(node)
+        if not st.netns:
+            raise TestbedError(f"{st.node.name}: set_login_shell needs a namespace node (root); "
+                               "this testbed is loopback")
+        if not os.access(shell, os.X_OK):
+            raise TestbedError(f"{shell} is not installed here (apt-get install {Path(shell).name})")
+        user = st.node.user
+        script = (f"awk -F: -v OFS=: -v u={shlex.quote(user)} -v s={shlex.quote(shell)} "
+                  "'$1 == u { $7 = s } { print }' /etc/passwd > /tmp/.dfo-passwd && "
+                  "mount --bind /tmp/.dfo-passwd /etc/passwd")
+        r = self.node_exec(node, script)
+        if r.returncode != 0:
+            raise TestbedError(f"{st.node.name}: could not set the login shell: {r.stderr.strip()}")
