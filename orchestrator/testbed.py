@@ -83,7 +83,11 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, workdir: Path, nodes: int = 1, s3: bool = True, shm_size: str = "256m",
-                 use_netns: bool | None = None, s3_server: str | None = None) -> None:
+                 use_netns: bool | None = None, s3_server: str | None = None, user: str = "root",
+                 ensurepip: bool = True) -> None:
+        """``user``: the nodes' login user; another than root (e.g. "ubuntu") gets a home of its own,
+        /home/USER, and can write neither /root nor /workspace. ``ensurepip=False``: the nodes' python3
+        has no ensurepip (Debian without python3-venv). Both need namespace nodes (root)."""
         if not 1 <= nodes <= 200:
             raise ValueError("nodes must be between 1 and 200")
         if not re.fullmatch(r"\d+[kmgKMG]?", shm_size):
@@ -91,6 +95,9 @@ class Testbed:
         self.workdir = Path(workdir).resolve()
         self.count, self.want_s3, self.shm_size, self.s3_server = nodes, s3, shm_size, s3_server
         self.use_netns = use_netns
+        if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
+            raise ValueError(f"user {user!r}: expected a login name like ubuntu")
+        self.user, self.ensurepip = user, ensurepip
         self.id = secrets.token_hex(3)
         self.nodes: list[Node] = []
         self.s3: S3Endpoint | None = None
@@ -144,6 +151,9 @@ class Testbed:
             raise TestbedError("testbed cannot start: " + "; ".join(missing))
         if self.use_netns is None:
             self.use_netns = tsys.netns_usable() is None
+        if not self.use_netns and (self.user != "root" or not self.ensurepip):
+            raise TestbedError("testbed cannot start: a node user other than root, or a node without ensurepip, "
+                               "needs namespace nodes (root, ip netns)")
         self._started = True
         atexit.register(self.stop)
         t0 = time.monotonic()
@@ -227,7 +237,7 @@ class Testbed:
         self.bridge_address = f"10.77.{k}.1"
         for n in range(1, self.count + 1):
             name, ns = f"node-{n}", f"dfo-{self.id}-{n}"
-            st = _NodeState(Node(name, f"10.77.{k}.{n + 1}", 22, "root", self.shm_size),
+            st = _NodeState(Node(name, f"10.77.{k}.{n + 1}", 22, self.user, self.shm_size),
                             self.workdir / name, netns=ns, link=ns)
             self._state[name] = st
             self._record()
@@ -285,8 +295,10 @@ class Testbed:
 
     def _spawn_sshd(self, st: _NodeState) -> None:
         if st.netns:
+            extra = [] if self.user == "root" else tnode.user_mounts(st.dir, self.user, 1000)
+            extra += [] if self.ensurepip else [tnode.NO_ENSUREPIP]
             argv = tnode.netns_sshd_argv(st.netns, st.dir, st.node.name, st.node.shm_size,
-                                         tnode.hidden_paths(self.workdir))
+                                         tnode.hidden_paths(self.workdir), extra)
         else:
             argv = tnode.loopback_sshd_argv(st.dir)
         with open(st.dir / "sshd.log", "ab") as log:
