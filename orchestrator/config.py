@@ -14,6 +14,7 @@ from remote.redact import is_secret
 
 from . import jobrules
 from .errors import ConfigError, UsageError
+from .nodepath import canonical
 from .yamlpos import load_model
 
 DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
@@ -34,8 +35,9 @@ class HostDefaults(Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     identity: str | None = None
     known_hosts: str = DEFAULT_KNOWN_HOSTS
-    python: str = "python3"
-    workspace: str = "/workspace"
+    python: Annotated[str, AfterValidator(canonical)] = "python3"
+    # None: the node's default, /workspace when its user can write it, else ~/workspace (remote/fsutil.py)
+    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
     connect_timeout: float = Field(default=10.0, gt=0)
     command_timeout: float = Field(default=600.0, gt=0)
     proxy_jump: str | None = None
@@ -50,8 +52,8 @@ class HostEntry(Strict):
     user: str | None = None
     identity: str | None = None
     gpus: int | None = Field(default=None, ge=0)
-    python: str | None = None
-    workspace: str | None = None
+    python: Annotated[str, AfterValidator(canonical)] | None = None
+    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
     proxy_jump: str | None = None
     transport: TransportName | None = None  # default: defaults.transport, else ssh
     private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
@@ -84,7 +86,7 @@ class ResolvedHost(BaseModel):
     proxy_jump: str | None = None  # "a,b": through a, then b (ProxyJump)
     proxy_command: str | None = None  # ~/.ssh/config ProxyCommand (when no ProxyJump applies)
     python: str = "python3"
-    workspace: str = "/workspace"
+    workspace: str | None = None  # None: the node's default workspace (decided on the node)
     connect_timeout: float = 10.0
     command_timeout: float = 600.0
     gpus: int | None = None
@@ -395,7 +397,7 @@ class CodeConfig(Strict):
     """code: a local folder pushed to the node before every launch (dfo sync-code; docs/code.md)."""
 
     source: str = "."  # relative to the job file; in a git work tree: what git would commit
-    dest: str | None = None  # on the node; default run.workdir
+    dest: NodePath | None = None  # on the node; default run.workdir
     exclude: list[str] = []  # more gitignore-style patterns
 
 
@@ -414,7 +416,7 @@ class OutputsConfig(Strict):
 
 
 class RunConfig(Strict):
-    workdir: str = "/root"
+    workdir: NodePath = "~"  # the node user's home (/root for root)
     upload: list[str] = []
     command: Annotated[str, AfterValidator(lambda v: jobrules.command_placeholders(v, {}))]
     env: dict[str, str] = {}
@@ -452,13 +454,13 @@ class RunConfig(Strict):
 
 class Job(Strict):
     name: str
-    python: str = "python3"
-    venv: str = "/root/venv"
+    python: Annotated[str, AfterValidator(canonical)] = "python3"
+    venv: NodePath = "~/venv"  # ~: the node user's home (/root/venv for root)
     installer: Literal["uv", "pip"] = "pip"
     packages: list[PackageSpec] = []
     index: IndexConfig = IndexConfig()
     overrides: list[Override] = []
-    workspace: str | None = None
+    workspace: NodePath | None = None  # None: the host's (inventory), else the node's default
     s3: S3Config = S3Config()
     model: ModelConfig | None = None
     data: DataConfig | None = None

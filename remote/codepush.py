@@ -44,7 +44,8 @@ import time
 import traceback
 
 from remote._proto import RemoteError, emit_result
-from remote.fsutil import FILE_FLAGS, write_atomic
+from remote.fsutil import FILE_FLAGS, node_path, write_atomic
+from remote.fsutil import workspace as fsutil_workspace
 from remote.s3dest import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
 
 MANIFEST = "code-manifest.json"
@@ -71,7 +72,7 @@ def check_rel(rel):
 
 def check_code_dest(dest):
     """The real path of DEST, or a RemoteError "config" naming why it is refused."""
-    path = os.path.expanduser(dest)
+    path = node_path(dest)  # ~ and $HOME: this user's home
     if not path.startswith("/"):
         refuse(FIELD, "%s is not an absolute path on the node" % dest, "for example /root/code or /workspace/code")
     if any(p.startswith(".dfo") for p in path.split("/") if p):
@@ -182,7 +183,7 @@ def _save_manifest(meta_fd, files, owner=None):
 
 
 def _runs_root(workspace):
-    return os.path.join(workspace or "/workspace", ".dfo", "runs")  # as remote.runs.runs_root
+    return os.path.join(fsutil_workspace(workspace), ".dfo", "runs")  # as remote.runs.runs_root
 
 
 def _foreign(owner, rows, req):
@@ -209,7 +210,7 @@ def _refuse_if_live(real, owner, req):
         for _, rid, d in rec.list_runs(_runs_root(req.get("workspace"))):
             state, meta, _end = rec.run_state(d)
             if state == "running" and (meta or {}).get("job") != job \
-                    and os.path.realpath(os.path.expanduser(str((meta or {}).get("workdir") or ""))) == real:
+                    and os.path.realpath(node_path(str((meta or {}).get("workdir") or ""))) == real:
                 live, other = [(rid, d)], (meta or {}).get("job")
                 break
     if not live:

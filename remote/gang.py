@@ -28,6 +28,7 @@ import time
 from typing import Dict, Set
 
 from remote._proto import RemoteError, main
+from remote.fsutil import node_path, workspace
 from remote.gangdoor import ACCEPT_LATER, _abort, _ip, _peer_ip, _Pending, bind_address, listen_socket
 
 # --------------------------------------------------------------------------- facts
@@ -109,9 +110,10 @@ def gpu_count(proc="/proc/driver/nvidia/gpus"):
 
 
 def facts(req):
-    out = {"provision": provision_facts(req["workspace"], req["job"]), "manifests": {}, "gpus": gpu_count()}
+    out = {"provision": provision_facts(workspace(req.get("workspace")), req["job"]), "manifests": {},
+           "gpus": gpu_count()}
     for kind, dest in sorted((req.get("manifests") or {}).items()):
-        out["manifests"][kind] = manifest_facts(dest) if dest else None
+        out["manifests"][kind] = manifest_facts(node_path(dest)) if dest else None
     return out
 
 

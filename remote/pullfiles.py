@@ -18,7 +18,7 @@ import os
 import stat
 
 from remote._proto import RemoteError, emit_event, main
-from remote.fsutil import FILE_FLAGS
+from remote.fsutil import FILE_FLAGS, node_path
 
 CHUNK = 1 << 20
 
@@ -33,7 +33,7 @@ def _skip(name):
 
 
 def op_list(req):
-    root = os.path.expanduser(req["root"])
+    root = node_path(req["root"])
     if not os.path.isdir(root):
         raise RemoteError("usage", "pull: %s is not a folder on the node" % root)
     starts = []
@@ -78,7 +78,7 @@ def op_list(req):
 
 
 def op_send(req):
-    root = os.path.expanduser(req["root"])
+    root = node_path(req["root"])
     sent = 0
     for i, f in enumerate(req.get("files") or []):
         rel = f["path"]

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .. import nodepath
 from ..agent import run_module
 from ..config import LoadedJob, OutputsConfig
 from ..errors import RemoteCommandError
@@ -107,7 +108,7 @@ else:
 def look(conn: Transport, path: str) -> tuple[str, str]:
     """("missing" | "empty" | "full" | "notdir", the path expanded on the node). dfo's own .dfo names do
     not count: a folder holding only them is empty."""
-    res = conn.run(f"{shlex.quote(conn.host.python)} -c {shlex.quote(_LOOK)} {shlex.quote(path)}", timeout=60)
+    res = conn.run(f"{nodepath.shell(conn.host.python)} -c {shlex.quote(_LOOK)} {shlex.quote(path)}", timeout=60)
     line = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
     kind, _, rest = line.partition(" ")
     if res.exit_code != 0 or kind not in ("missing", "empty", "full", "notdir"):
@@ -227,11 +228,11 @@ class ShipReport(MoveReport):
                    changed_during=int(p.get("changed_during") or 0), error=p.get("error"))
 
 
-def request(workspace: str, run: str | None, job: str | None) -> dict[str, Any]:
+def request(workspace: str | None, run: str | None, job: str | None) -> dict[str, Any]:
     return {"workspace": workspace, "run": run, "job": job}
 
 
-def outputs(conn: Transport, workspace: str, run: str | None, job: str | None) -> Any:
+def outputs(conn: Transport, workspace: str | None, run: str | None, job: str | None) -> Any:
     """The run (RunInfo) with its outputs record in full."""
     from .runs import RunInfo
 
@@ -239,7 +240,7 @@ def outputs(conn: Transport, workspace: str, run: str | None, job: str | None) -
     return RunInfo.model_validate(data)
 
 
-def ship(conn: Transport, workspace: str, run: str, loaded: LoadedJob | None,
+def ship(conn: Transport, workspace: str | None, run: str, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A pass now for run ``run`` (an id: resolve RUN first with ``outputs``): the run's shipper does it
     when it is alive, else the node runs one itself with the spec (and credentials) sent here, which
