@@ -369,3 +369,29 @@ def test_without_an_openssh_client_ssh_means_paramiko_and_says_so(tmp_path: Path
     inv.write_text(inv.read_text().replace("port: 1}", "port: 1, transport: openssh}"))
     r = dfo(inv, "status", "-H", "a", PATH=str(tmp_path), DFO_SSH_TRANSPORT=None)
     assert r.returncode == 2 and "OpenSSH client" in r.stderr, r.stderr
+
+
+@on_testbed
+def test_a_users_own_control_path_is_used_as_it_is(testbed: Any, tmp_path: Path, runtime_dir: Path) -> None:
+    """ssh_config sets ControlMaster/ControlPath/ControlPersist for the host: dfo passes none of its own, the
+    user's master is made and reused (before: paramiko ignored them)."""
+    import tempfile
+
+    node = testbed.nodes[0]
+    mine = Path(tempfile.mkdtemp(prefix="cm-", dir="/tmp"))
+    try:
+        cfg = tmp_path / "ssh_config"
+        cfg.write_text(f"Host {node.address}\n  ControlMaster auto\n  ControlPath {mine}/%C\n  ControlPersist 30\n"
+                       f"Host *\n  UserKnownHostsFile {tmp_path}/user_kh\n")
+        inv = inventory(testbed, tmp_path, defaults={"ssh_config": str(cfg), "transport": "openssh"})
+        assert dfo(inv, "status", "-H", node.name).returncode == 0
+        sockets = list(mine.iterdir())
+        assert len(sockets) == 1 and _masters(runtime_dir) == set(), (sockets, _masters(runtime_dir))
+        pid = _master_pid(sockets[0])
+        assert dfo(inv, "status", "-H", node.name).returncode == 0
+        assert _master_pid(sockets[0]) == pid  # the same master served the second command
+        os.kill(pid, signal.SIGTERM)
+    finally:
+        import shutil
+
+        shutil.rmtree(mine, ignore_errors=True)
