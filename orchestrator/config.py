@@ -99,6 +99,7 @@ class ResolvedHost(BaseModel):
     ssh_resolve: str | None = None
     ssh_resolved: dict[str, list[str]] = {}
     ssh_persist: float = 60.0
+    user_known_hosts: list[str] = []  # the user's own known_hosts files (ssh_config's UserKnownHostsFile): trusted too
 
     @property
     def gang_address(self) -> str:
@@ -253,6 +254,8 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         alias=alias,
         ssh_config=explicit,
         ssh_persist=d.ssh_persist,
+        user_known_hosts=[os.path.expanduser(f) for f in
+                          str(sshc.get("userknownhostsfile") or "~/.ssh/known_hosts ~/.ssh/known_hosts2").split()],
     )
 
 
@@ -304,7 +307,7 @@ def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, ex
         workspace=entry.workspace or d.workspace, connect_timeout=d.connect_timeout,
         command_timeout=d.command_timeout, gpus=entry.gpus, private_address=entry.private_address,
         alias=alias, ssh_options=own, ssh_config=explicit, ssh_resolve=str(config), ssh_resolved=got,
-        ssh_persist=d.ssh_persist)
+        ssh_persist=d.ssh_persist, user_known_hosts=[f for v in got.get("userknownhostsfile", []) for f in v.split()])
 
 
 _SSH_DEFAULT_KEYS = ["id_rsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519", "id_ed25519_sk", "id_xmss", "id_dsa"]

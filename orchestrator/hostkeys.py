@@ -91,13 +91,25 @@ def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:
     client = paramiko.SSHClient()
     keys = client.get_host_keys()
     types: set[str] = set()
-    for e in KnownHosts.load(host.known_hosts).recorded(name):
+    dfo = KnownHosts.load(host.known_hosts)
+    for e in dfo.recorded(name) + [e for _, e in _users(host, name, dfo)]:
         key = _pkey(e)
-        if key is not None and e.key_type not in types:  # the first line per key type counts
+        if key is not None and e.key_type not in types:  # the first line per key type counts (dfo's first)
             types.add(e.key_type)
             keys.add(name, e.key_type, key)
     client.set_missing_host_key_policy(_AcceptNew(host))
     return client
+
+
+def _users(host: ResolvedHost, name: str, dfo: KnownHosts) -> list[tuple[str, Entry]]:
+    """(file, line) of the user's own known_hosts lines for ``name`` (ssh_config's UserKnownHostsFile):
+    keys the user's ssh trusts are trusted, as on the OpenSSH transport; unreadable lines skipped, as ssh
+    does; a key @revoked anywhere left out."""
+    from .openssh_keys import _lenient
+
+    out = [(f, e) for f in host.user_known_hosts for e in _lenient(f)]
+    revoked = {e.blob for e in [*dfo.entries, *(e for _, e in out)] if e.marker == "@revoked"}
+    return [(f, e) for f, e in out if e.marker is None and e.blob not in revoked and e.matches(name)]
 
 
 def _pkey(e: Entry) -> paramiko.PKey | None:
@@ -127,6 +139,14 @@ def host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, name: 
         return _revoked_error(host, name, exc.key, revoked)
     same = [e for e in kh.recorded(name) if e.key_type == exc.key.get_name()]
     where = f" ({host.known_hosts}:{same[0].lineno})" if same else ""
+    theirs = [(f, e) for f, e in _users(host, name, kh) if e.key_type == exc.key.get_name()]
+    if not same and theirs:  # the key the user's own known_hosts holds
+        where = f" ({theirs[0][0]}:{theirs[0][1].lineno})"
+        forget = f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(theirs[0][0])}"
+        return HostKeyError(
+            f"host key for {name} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
+            f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run", host=host.name,
+            hint=f"if the node was really rebuilt, forget the old key with: {forget}")
     if any(e.blob == offered for e in same[1:]):
         return HostKeyError(
             f"host key for {name}: {len(same)} {exc.key.get_name()} keys are recorded for it and the first"

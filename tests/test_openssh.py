@@ -243,14 +243,16 @@ def test_a_new_host_key_is_said_on_stderr_once(testbed: Any, tmp_path: Path) -> 
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_key_the_users_own_known_hosts_holds_is_trusted_as_ssh_trusts_it(testbed: Any, tmp_path: Path) -> None:
+    """Before: dfo read only its own known_hosts (paramiko), so a key the user's ssh trusts was new to it."""
     node = testbed.nodes[0]
     user_kh = tmp_path / "user_kh"
     other = keygen(tmp_path / "x").with_suffix(".pub").read_text().split()[:2]
     user_kh.write_text(f"{_label(node)} {' '.join(other)}\n")
     cfg = tmp_path / "ssh_config"
     cfg.write_text(f"Host *\n  UserKnownHostsFile {user_kh}\n")
-    inv = inventory(testbed, tmp_path, defaults={"ssh_config": str(cfg), "transport": "openssh"})
+    inv = inventory(testbed, tmp_path, defaults={"ssh_config": str(cfg), "ssh_persist": 0})
     r = dfo(inv, "status", "-H", node.name)  # the user's ssh would refuse this node: so does dfo
     assert r.returncode == 4 and "CHANGED" in r.stderr and str(user_kh) in r.stderr, r.stderr
     user_kh.write_text(f"{_label(node)} {testbed.host_public_key(node)}\n")
