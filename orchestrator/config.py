@@ -226,6 +226,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
     if transport == "openssh":
         return _resolve_openssh(inv, name, entry, alias, explicit, absolute)
     sshc = _ssh_config_lookup(alias, explicit) if transport == "paramiko" else {}
+    _say_unhonoured(name, sshc)
     identities: list[str] = []
     if entry.identity:
         identities.append(absolute(entry.identity))
@@ -308,6 +309,33 @@ def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, ex
         command_timeout=d.command_timeout, gpus=entry.gpus, private_address=entry.private_address,
         alias=alias, ssh_options=own, ssh_config=explicit, ssh_resolve=str(config), ssh_resolved=got,
         ssh_persist=d.ssh_persist, user_known_hosts=[f for v in got.get("userknownhostsfile", []) for f in v.split()])
+
+
+# ssh_config keywords the paramiko transport does not apply (OpenSSH's does): named on stderr, never ignored
+# in silence. dfo's own policy replaces StrictHostKeyChecking, ServerAlive*, ConnectTimeout, HashKnownHosts.
+_PARAMIKO_IGNORES = {
+    "include": "Include", "identitiesonly": "IdentitiesOnly", "identityagent": "IdentityAgent",
+    "certificatefile": "CertificateFile", "controlmaster": "ControlMaster", "controlpath": "ControlPath",
+    "controlpersist": "ControlPersist", "hostkeyalias": "HostKeyAlias", "pkcs11provider": "PKCS11Provider",
+    "securitykeyprovider": "SecurityKeyProvider", "canonicalizehostname": "CanonicalizeHostname",
+    "addressfamily": "AddressFamily", "bindaddress": "BindAddress", "forwardagent": "ForwardAgent",
+    "pubkeyacceptedalgorithms": "PubkeyAcceptedAlgorithms", "hostkeyalgorithms": "HostKeyAlgorithms",
+    "kexalgorithms": "KexAlgorithms", "ciphers": "Ciphers", "macs": "MACs",
+}
+_SAID: set[str] = set()
+
+
+def _say_unhonoured(name: str, sshc: dict[str, Any]) -> None:
+    """On the paramiko transport: name, once per host, the ssh_config keywords it does not apply."""
+    import glob
+    import sys
+
+    keys = [v for k, v in _PARAMIKO_IGNORES.items() if k in sshc
+            and (k != "include" or any(glob.glob(os.path.expanduser(f)) for f in str(sshc[k]).split()))]
+    if keys and name not in _SAID:
+        _SAID.add(name)
+        sys.stderr.write(f"dfo: {name}: the paramiko transport does not apply {', '.join(keys)} from ssh_config "
+                         "(transport: openssh does)\n")
 
 
 _SSH_DEFAULT_KEYS = ["id_rsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519", "id_ed25519_sk", "id_xmss", "id_dsa"]

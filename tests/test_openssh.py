@@ -397,3 +397,21 @@ def test_a_users_own_control_path_is_used_as_it_is(testbed: Any, tmp_path: Path,
         import shutil
 
         shutil.rmtree(mine, ignore_errors=True)
+
+
+def test_the_paramiko_transport_names_the_ssh_config_keywords_it_does_not_apply(tmp_path: Path) -> None:
+    """Before: IdentitiesOnly, IdentityAgent, CertificateFile and Include were ignored without a word."""
+    (tmp_path / "more.conf").write_text("Host other\n  User x\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Include {tmp_path}/more.conf\nHost gpu\n  HostName 127.0.0.1\n  Port 1\n  IdentitiesOnly yes\n"
+                   f"  IdentityAgent {tmp_path}/sock\n  CertificateFile {tmp_path}/c.pub\n"
+                   f"  UserKnownHostsFile {tmp_path}/u\n")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}, connect_timeout: 1, ssh_config: {cfg}}}\n"
+                   "hosts:\n  a: {host: gpu, transport: paramiko}\n  b: {host: gpu, transport: openssh}\n")
+    r = dfo(inv, "status", "-H", "a")
+    assert r.returncode == 4, r.stderr
+    assert ("dfo: a: the paramiko transport does not apply Include, IdentitiesOnly, IdentityAgent, CertificateFile "
+            "from ssh_config (transport: openssh does)") in r.stderr, r.stderr
+    r = dfo(inv, "status", "-H", "b")
+    assert r.returncode == 4 and "does not apply" not in r.stderr, r.stderr
