@@ -114,8 +114,8 @@ def cli(ctx: click.Context, inventory: str | None, verbose: bool) -> None:
 def _help_cache(args: list[str]) -> Path | None:
     """Where ``dfo CMD --help``'s text is kept once rendered (issue 18: a command's --help otherwise imports
     its module, and with it pydantic and the steps): ~/.cache/dfo/help/, under a name made of dfo's version,
-    the size and time of every file of the command line (cli.py, cli_common.py, commands/), the command
-    and the terminal's width. None when ``args`` is not exactly ``CMD --help`` (or -h)."""
+    the size and time of every file of orchestrator/ and its subpackages, the command and the terminal's
+    width. None when ``args`` is not exactly ``CMD --help`` (or -h)."""
     if len(args) != 2 or args[0] not in COMMANDS or args[1] not in ("--help", "-h"):
         return None
     import hashlib
@@ -123,7 +123,7 @@ def _help_cache(args: list[str]) -> Path | None:
 
     here = Path(__file__).resolve().parent
     key = [__version__, args[0], str(shutil.get_terminal_size().columns)]
-    for f in sorted([here / "cli.py", here / "cli_common.py", *(here / "commands").glob("*.py")]):
+    for f in sorted([*here.glob("*.py"), *here.glob("*/*.py")]):  # a help text may quote any module's constant
         st = f.stat()
         key.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
     name = hashlib.sha256("\0".join(key).encode()).hexdigest()[:24]
