@@ -115,7 +115,16 @@ def _strict_hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]) -> l
 
 
 def _clean_stale(base: Path) -> None:
-    """Remove the connection folders of dfo processes that are gone (killed before close())."""
+    """Remove the connection folders of dfo processes that are gone (killed before close()), and the
+    resolution configs no dfo has used for a week (openssh_setup.write_config touches them on use)."""
+    import time
+
+    for p in base.glob("resolve-*.conf"):
+        try:
+            if time.time() - p.stat().st_mtime > 7 * 86400:
+                p.unlink()
+        except OSError:
+            pass
     for p in base.glob("c-*-*"):
         try:
             pid = int(p.name.split("-")[1])
@@ -147,8 +156,9 @@ def prepare(host: ResolvedHost) -> Prepared:
              + " (orchestrator/openssh_keys.py); removed when it closes"]
     if strict_hops:
         lines += ["Host " + " ".join(strict_hops), "  StrictHostKeyChecking yes"]
+    # the resolution config is copied in, not included: this connection never depends on a shared file
     lines += ["Host *", f"  UserKnownHostsFile {setup.known_hosts_value(files)}",
-              f"Include {setup.q(host.ssh_resolve)}"]
+              *Path(host.ssh_resolve).read_text().splitlines()]
     config = folder / "config"
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

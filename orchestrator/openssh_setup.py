@@ -185,6 +185,7 @@ def write_config(name: str, lines: list[str], *, folder: Path | None = None) -> 
     path = folder / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.conf"
     try:
         if path.read_text() == text:
+            os.utime(path)  # in use: openssh_keys.clean_stale removes only files unused for a week
             return path
     except OSError:
         pass

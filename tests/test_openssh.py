@@ -317,7 +317,9 @@ def test_a_dead_master_never_makes_a_command_hang(testbed: Any, tmp_path: Path, 
     socket): the next command goes over a fresh connection, within seconds."""
     folder = runtime_dir
     node = testbed.nodes[0]
-    inv = inventory(testbed, tmp_path, defaults={"transport": "openssh"})
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"{_label(node)} {testbed.host_public_key(node)}\n")  # known already: one master path throughout
+    inv = inventory(testbed, tmp_path, kh=kh, defaults={"transport": "openssh"})
     r = dfo(inv, "status", "-H", node.name)
     assert r.returncode == 0, r.stderr
     sockets = _masters(folder)
