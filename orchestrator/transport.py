@@ -66,18 +66,27 @@ class Transport(ABC):
 
 
 def open_connection(host: ResolvedHost) -> Transport:
-    """The transport the inventory names for this host (imported only when used)."""
+    """The transport the inventory names for this host (imported only when used); ``dfo -v`` says which."""
     if host.transport == "local":
         from .localconn import LocalConnection
 
+        _say(host, "local (bash on this machine)")
         return LocalConnection(host)
     if host.transport == "openssh" or (host.transport == "ssh" and ssh_transport() == "openssh"):
         from .openssh import OpenSSH
+        from .openssh_setup import ssh_binary
 
+        _say(host, f"openssh ({ssh_binary()})")
         return OpenSSH(host)
     from .connection import Connection
 
+    _say(host, "paramiko")
     return Connection(host)
+
+
+def _say(host: ResolvedHost, what: str) -> None:
+    if os.environ.get("DFO_VERBOSE"):
+        sys.stderr.write(f"dfo: {host.name}: transport {what}\n")
 
 
 # transport: ssh prefers the OpenSSH client (issue 18); False: paramiko unless `transport: openssh`

@@ -368,8 +368,9 @@ def test_without_an_openssh_client_ssh_means_paramiko_and_says_so(tmp_path: Path
     r = dfo(inv, "-v", "status", "-H", "a", PATH=str(tmp_path), DFO_SSH_TRANSPORT=None)
     assert r.returncode == 4, r.stderr
     assert "no OpenSSH client" in r.stderr and "paramiko" in r.stderr, r.stderr
+    assert "dfo: a: transport paramiko" in r.stderr, r.stderr
     r = dfo(inv, "status", "-H", "a", PATH=str(tmp_path), DFO_SSH_TRANSPORT=None)
-    assert "no OpenSSH client" not in r.stderr
+    assert "no OpenSSH client" not in r.stderr and "transport paramiko" not in r.stderr
     inv.write_text(inv.read_text().replace("port: 1}", "port: 1, transport: openssh}"))
     r = dfo(inv, "status", "-H", "a", PATH=str(tmp_path), DFO_SSH_TRANSPORT=None)
     assert r.returncode == 2 and "OpenSSH client" in r.stderr, r.stderr
