@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from . import openssh_keys as keys
 from . import openssh_setup as setup
@@ -267,4 +266,4 @@ def _drain(fd: int, open_fds: set[int], err: _ErrScan) -> None:
         err.feed(chunk)
 
 
-__all__ = ["LOST_HINT", "OpenSSH", "Path"]
+__all__ = ["LOST_HINT", "OpenSSH"]
