@@ -23,12 +23,14 @@ from typing import Any, cast
 import remote
 from remote._proto import RESULT_PREFIX, split_frame
 
+from . import nodepath
 from .errors import (
     AgentMissing,
     ConfigError,
     DfoError,
     HostError,
     NoResult,
+    PythonTooOld,
     RemoteCommandError,
     RunFailed,
     VerifyError,
@@ -122,9 +124,9 @@ def module_command(module: str, python: str, env: dict[str, str] | None = None, 
     argv = " ".join(shlex.quote(a) for a in (args or []))
     return (
         f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
-        f'command -v {shlex.quote(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
+        f'command -v {nodepath.shell(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
         f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
-        f'exec {shlex.quote(python)} {flags} -m {module} {argv}'
+        f'exec {nodepath.shell(python)} {flags} -m {module} {argv}'
     )
 
 
@@ -134,6 +136,7 @@ _ERR_CLASSES: dict[str, type[DfoError]] = {
     "usage": ConfigError,
     "unreachable": HostError,
     "run_failed": RunFailed,
+    "python_too_old": PythonTooOld,  # remote/__init__.py, before any module is compiled
 }
 
 
@@ -233,4 +236,21 @@ def run_module(
     if res.exit_code == PY_MISSING and RESULT_PREFIX not in res.stdout:
         raise VerifyError(f"{py} not found on the node", host=conn.name,
                           hint="install python3 (3.8 or newer) there, or set python: for this host in the inventory")
+    if RESULT_PREFIX not in res.stdout and "SyntaxError" in res.stderr:
+        too_old(conn, py)
     return parse_output(conn, res, module)
+
+
+_OLD_PYTHON = re.compile(r"^Python (\d+)\.(\d+)(\S*)", re.M)
+
+
+def too_old(conn: Transport, python: str) -> None:
+    """After a SyntaxError with no result (an interpreter too old to run remote/__init__.py's check):
+    PythonTooOld (exit 3) naming its version and path when it is older than 3.8; else nothing."""
+    res = conn.run(f'P=$(command -v {nodepath.shell(python)}) && echo "$P" && "$P" -V 2>&1', timeout=30)
+    lines = res.stdout.strip().splitlines()
+    m = _OLD_PYTHON.search(res.stdout)
+    if res.exit_code == 0 and m and (int(m.group(1)), int(m.group(2))) < (3, 8):
+        found = plain_tail(f"{m.group(1)}.{m.group(2)}{m.group(3)}", 40)
+        raise PythonTooOld(f"needs python3 >= 3.8 on the node; found {found} at {plain_tail(lines[0], 200)}",
+                           host=conn.name)

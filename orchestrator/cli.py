@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -86,9 +87,11 @@ class DfoGroup(click.Group):
 @click.group(cls=DfoGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-i", "--inventory", metavar="INVENTORY", default=None,
               help="Inventory file. Defaults to $DFO_INVENTORY, then ./inventory.yaml.")
+@click.option("-v", "--verbose", is_flag=True, default=False,
+              help="Say more on stderr: which SSH transport is used (OpenSSH's ssh, or paramiko without one).")
 @click.version_option(__version__, prog_name="dfo")
 @click.pass_context
-def cli(ctx: click.Context, inventory: str | None) -> None:
+def cli(ctx: click.Context, inventory: str | None, verbose: bool) -> None:
     """dfo drives rented GPU nodes over plain SSH.
 
     It provisions the node's Python environment and verifies every install, stages the
@@ -104,11 +107,59 @@ def cli(ctx: click.Context, inventory: str | None) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["inventory"] = inventory
+    if verbose:
+        os.environ["DFO_VERBOSE"] = "1"  # read where it matters (transport.ssh_transport), in this process only
+
+
+def _help_cache(args: list[str]) -> Path | None:
+    """Where ``dfo CMD --help``'s text is kept once rendered (issue 18: a command's --help otherwise imports
+    its module, and with it pydantic and the steps): ~/.cache/dfo/help/, under a name made of dfo's version,
+    the size and time of every file of orchestrator/ and its subpackages, the command and the terminal's
+    width. None when ``args`` is not exactly ``CMD --help`` (or -h)."""
+    if len(args) != 2 or args[0] not in COMMANDS or args[1] not in ("--help", "-h"):
+        return None
+    import hashlib
+    import shutil
+
+    here = Path(__file__).resolve().parent
+    key = [__version__, args[0], str(shutil.get_terminal_size().columns)]
+    for f in sorted([*here.glob("*.py"), *here.glob("*/*.py")]):  # a help text may quote any module's constant
+        st = f.stat()
+        key.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    name = hashlib.sha256("\0".join(key).encode()).hexdigest()[:24]
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "help" / f"{args[0]}-{name}.txt"
+
+
+def _help(args: list[str], cache: Path) -> int:
+    """Print CMD's help: from the cache, or rendered by click (then kept for the next time)."""
+    try:
+        sys.stdout.write(cache.read_text())
+        return 0
+    except (OSError, UnicodeDecodeError):
+        pass
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rv = cli.main(args=args, prog_name="dfo", standalone_mode=False)
+    text = buf.getvalue()
+    sys.stdout.write(text)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return rv if isinstance(rv, int) else 0
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        rv = cli.main(args=argv, prog_name="dfo", standalone_mode=False)
+        args = list(sys.argv[1:] if argv is None else argv)
+        cache = _help_cache(args)
+        rv = _help(args, cache) if cache is not None else cli.main(args=argv, prog_name="dfo", standalone_mode=False)
     except click.exceptions.Abort:
         sys.stderr.write("aborted\n")
         sys.exit(130)

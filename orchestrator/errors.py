@@ -104,3 +104,49 @@ class RunFailed(DfoError):
 class NotBuilt(DfoError):
     exit_code = EXIT_UNEXPECTED
     kind = "not_built"
+
+
+# --------------------------------------------------------------------------- node prerequisites and logins
+
+
+class PythonTooOld(VerifyError):
+    """The node's python3 is older than 3.8 (exit 3): remote/__init__.py says so before any module of
+    dfo's is compiled, or agent.run_module recognises the SyntaxError an old interpreter gives."""
+
+    kind = "python_too_old"
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None,
+                 details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, host=host, hint=hint or PYTHON_TOO_OLD_HINT, details=details)
+
+
+PYTHON_TOO_OLD_HINT = ("install python3 3.8 or newer on the node and point the host's python: at it in the "
+                       "inventory (hosts.NAME.python: /usr/bin/python3.10)")
+
+
+class AuthFailed(HostError):
+    """The node refused every key offered, or none could be offered (exit 4). ``reason`` is a key of
+    AUTH_HINTS. Its JSON kind stays "unreachable" (the CLI contract), as ConnectionLost's."""
+
+    def __init__(self, message: str, *, reason: str, host: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, host=host, hint=auth_hint(reason, key))
+        self.reason = reason
+
+
+# What to do, by why the login failed: one table for every transport (paramiko's connection.py and the
+# OpenSSH client's), so that both say the same thing. {key} is the identity file concerned.
+AUTH_HINTS: dict[str, str] = {
+    "no_key": "no key was offered: load one into ssh-agent (ssh-add ~/.ssh/KEY) or set identity: for this host "
+              "in the inventory (or IdentityFile in ~/.ssh/config); `ssh HOST true` should work first",
+    "encrypted_key": "{key} is encrypted and no ssh-agent holds it: run ssh-add {key} (dfo never asks for a "
+                     "passphrase)",
+    "too_many_keys": "the node hung up after too many keys were offered (sshd's MaxAuthTries): set "
+                     "IdentitiesOnly yes and IdentityFile for this host in ~/.ssh/config, or identity: in the "
+                     "inventory",
+    "refused": "the node refused every key offered: check the user and identity: in the inventory (or "
+               "~/.ssh/config), and that the key's .pub is in the node's ~/.ssh/authorized_keys",
+}
+
+
+def auth_hint(reason: str, key: str | None = None) -> str:
+    return AUTH_HINTS.get(reason, AUTH_HINTS["refused"]).format(key=key or "the key")

@@ -2,7 +2,8 @@
 
 Request (stdin): {"command": str, "timeout": float|null}. The command is shell text the controller
 built with shlex.join from the user's argv; it runs as ssh would run it, by the user's login shell
-(the passwd entry's shell, else /bin/sh) as ``SHELL -lc COMMAND`` (so the profile's PATH holds),
+(the passwd entry's shell when it is a POSIX one, else /bin/sh) as ``SHELL -lc COMMAND`` (so the
+profile's PATH holds),
 from $HOME, with stdin from /dev/null, in a new session (setsid): the command and everything it
 starts form one process group that can be killed as a whole.
 
@@ -46,12 +47,17 @@ TIMED_OUT = 124
 _DROP_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
 
 
+POSIX_SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox")
+
+
 def login_shell():
+    """The user's login shell when it reads sh text (the command was quoted for sh), else /bin/sh: fish,
+    tcsh or nushell would read the controller's quoting their own way (issue 18)."""
     try:
         sh = pwd.getpwuid(os.getuid()).pw_shell
     except KeyError:
         sh = ""
-    if not sh or not os.access(sh, os.X_OK) or os.path.basename(sh) in ("nologin", "false"):
+    if not sh or not os.access(sh, os.X_OK) or os.path.basename(sh) not in POSIX_SHELLS:
         sh = "/bin/sh"
     return sh
 

@@ -70,3 +70,42 @@ def make_testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 # ============================================================================================
 # end of testbed fixtures
 # ============================================================================================
+
+
+# ============================================================================================
+# ssh transports (orchestrator/transport/openssh.py, orchestrator/transport/ssh.py); tests never touch the real ~/.ssh
+#
+#   each_ssh_transport   function, params "openssh" and "paramiko": sets DFO_SSH_TRANSPORT, so that
+#                        `transport: ssh` (every testbed inventory) means that one, in this process and in
+#                        the dfo processes a test starts. @pytest.mark.usefixtures("each_ssh_transport").
+# DFO_SSH_CONFIG: unless already set, a session file holding only `UserKnownHostsFile <tmp>`: both
+#   transports read it alone (as ssh -F), never ~/.ssh/config nor ~/.ssh/known_hosts. A test that needs an
+#   ssh_config of its own sets DFO_SSH_CONFIG (or the inventory's defaults.ssh_config).
+# ============================================================================================
+SSH_TRANSPORTS = ["openssh", "paramiko"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_real_ssh_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    if os.environ.get("DFO_SSH_CONFIG"):
+        yield
+        return
+    folder = tmp_path_factory.mktemp("ssh-config")
+    cfg = folder / "ssh_config"
+    cfg.write_text(f"# the tests' ssh_config (tests/conftest.py): no ~/.ssh\nHost *\n"
+                   f"  UserKnownHostsFile {folder / 'user_known_hosts'}\n")
+    os.environ["DFO_SSH_CONFIG"] = str(cfg)
+    try:
+        yield
+    finally:
+        os.environ.pop("DFO_SSH_CONFIG", None)
+
+
+@pytest.fixture(params=SSH_TRANSPORTS)
+def each_ssh_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("DFO_SSH_TRANSPORT", request.param)
+    return str(request.param)
+
+# ============================================================================================
+# end of ssh transports
+# ============================================================================================

@@ -19,7 +19,6 @@ from orchestrator.errors import ConnectionLost, HostError
 from orchestrator.transport import open_connection
 from orchestrator.transport.base import STDERR_KEEP, Transport
 from orchestrator.transport.local import LocalConnection
-from orchestrator.transport.ssh import Connection
 from tests import _cli
 
 on_testbed = pytest.mark.testbed
@@ -40,9 +39,11 @@ def inventory(tb, tmp_path: Path, kh: Path | None = None, **hosts: dict) -> Path
     return p
 
 
-def conn_for(inv: Path, name: str) -> Connection:
+def conn_for(inv: Path, name: str) -> Transport:
+    """The host's transport as dfo opens it: `transport: ssh` is OpenSSH or paramiko as DFO_SSH_TRANSPORT says
+    (the each_ssh_transport fixture, tests/conftest.py)."""
     inventory_, path = load_inventory(inv)
-    return Connection(resolve_host(inventory_, name, path))
+    return open_connection(resolve_host(inventory_, name, path))
 
 
 def kh_keys(path: Path) -> dict[str, str]:
@@ -121,6 +122,7 @@ def chain(make_testbed):  # type: ignore[no-untyped-def]
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_two_hop_proxy_jump_checks_every_hop_and_a_changed_key_anywhere_refuses_the_path(  # type: ignore[no-untyped-def]
         chain, tmp_path: Path) -> None:
     """C is reachable only through B, B only through A. `proxy_jump: A,B` reaches C (fabric's own
@@ -179,6 +181,7 @@ def test_a_two_hop_proxy_jump_checks_every_hop_and_a_changed_key_anywhere_refuse
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_hop_cut_during_a_call_is_connection_lost_within_30s(chain, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Liveness covers the whole path: the first hop's link cut while C runs a silent command ends
     the call with ConnectionLost (exit 4) within 30 s, not after TCP's ~15 min."""
@@ -214,6 +217,7 @@ def test_a_hop_cut_during_a_call_is_connection_lost_within_30s(chain, tmp_path: 
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_proxy_command_from_ssh_config_is_used_through_a_shell(testbed2, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """ssh_config's ProxyCommand (was ignored): run by a shell as OpenSSH runs it (a redirection
@@ -246,6 +250,7 @@ def test_proxy_command_from_ssh_config_is_used_through_a_shell(testbed2, tmp_pat
     assert r.returncode == 4 and "broken" in r.stderr and "Traceback" not in r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_proxy_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The inventory's proxy_jump wins over ssh_config's ProxyCommand; ssh_config's ProxyJump or
     ProxyCommand over defaults.proxy_jump; `none` means direct."""
@@ -267,6 +272,7 @@ def test_proxy_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_connection_killed_during_a_call_raises_connection_lost(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     node = testbed.nodes[0]
     conn = conn_for(inventory(testbed, tmp_path), node.name)
@@ -293,10 +299,12 @@ def test_a_connection_killed_during_a_call_raises_connection_lost(testbed, tmp_p
         conn.close()
 
 
-@pytest.mark.parametrize("transport", [pytest.param("ssh", marks=on_testbed), "local"])
+@pytest.mark.parametrize("transport", [pytest.param("openssh", marks=on_testbed),
+                                       pytest.param("paramiko", marks=on_testbed), "local"])
 def test_stderr_is_bounded_to_its_tail(transport: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    if transport == "ssh":
+    if transport != "local":
         tb = request.getfixturevalue("testbed")
+        request.getfixturevalue("monkeypatch").setenv("DFO_SSH_TRANSPORT", transport)
         conn: Transport = conn_for(inventory(tb, tmp_path), tb.nodes[0].name)
     else:
         inv_path = tmp_path / "inventory.yaml"
@@ -314,6 +322,7 @@ def test_stderr_is_bounded_to_its_tail(transport: str, request: pytest.FixtureRe
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_output_written_after_the_exit_status_is_not_lost(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """sshd sends the exit status when the shell exits, and the output still in flight after it:
     the call reads on to the channel's EOF (as OpenSSH's client does), so the tail of stdout and
@@ -331,7 +340,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] if Path(f"/proc/{pid}/stat").exists() else "X"
+    stat = Path(f"/proc/{pid}/stat")
+    state = stat.read_text().split(")")[-1].split()[0] if stat.exists() else "X"
     return state not in ("Z", "X")
 
 
@@ -360,6 +370,7 @@ def test_the_local_transport_kills_what_its_call_started_when_the_call_ends_earl
 
 
 @pytest.mark.parametrize("bad", ["Host x\n  Port\n", "Host x\n  Match foo\n"])
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_an_unreadable_ssh_config_is_exit_2_naming_the_file(tmp_path: Path, bad: str) -> None:
     cfg = tmp_path / "ssh_config"
     cfg.write_text(bad)

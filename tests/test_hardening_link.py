@@ -18,8 +18,9 @@ import pytest
 from orchestrator.config.models import load_inventory, resolve_host
 from orchestrator.errors import HostError
 from orchestrator.testbed import system as tsys
+from orchestrator.transport import open_connection
+from orchestrator.transport.base import Transport
 from orchestrator.transport.liveness import bounds
-from orchestrator.transport.ssh import Connection
 from tests._runs_fixtures import COUNTER, RunsEnv, dfo, dfo_popen, inventory_copy
 from tests._s3_fixtures import Xfer, random_files, upload
 
@@ -29,9 +30,10 @@ on_testbed = pytest.mark.testbed
 LOST_WITHIN = bounds().dead + 10
 
 
-def _conn(inv: Path, name: str) -> Connection:
+def _conn(inv: Path, name: str) -> Transport:
+    """The host's transport as dfo opens it (DFO_SSH_TRANSPORT, set by the each_ssh_transport fixture)."""
     inventory, _ = load_inventory(inv)
-    return Connection(resolve_host(inventory, name, inv))
+    return open_connection(resolve_host(inventory, name, inv))
 
 
 def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -75,6 +77,7 @@ def test_an_empty_run_id_is_refused_and_stops_nothing(testbed, tmp_path: Path) -
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_long_silent_command_on_a_live_link_is_not_a_dead_link(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     conn = _conn(inventory_copy(testbed, tmp_path), testbed.nodes[0].name)
     try:
@@ -86,6 +89,7 @@ def test_a_long_silent_command_on_a_live_link_is_not_a_dead_link(testbed, tmp_pa
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 @pytest.mark.parametrize("mode", ["default", "loopback"])
 def test_a_link_cut_during_a_call_is_exit_4_within_30s(make_testbed, tmp_path: Path, mode: str) -> None:  # type: ignore[no-untyped-def]
     """default: a namespaced node whose link goes down (as root); loopback: sshd frozen with SIGSTOP
@@ -123,6 +127,7 @@ def test_a_link_cut_during_a_call_is_exit_4_within_30s(make_testbed, tmp_path: P
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_launch_wait_on_a_cut_link_exits_4_within_30s_and_the_run_goes_on(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     tb = make_testbed(s3=False)
     env = RunsEnv(tb, tb.nodes[0], inventory_copy(tb, tmp_path), tmp_path)
@@ -225,6 +230,7 @@ def _kh_env(tb, tmp_path: Path, text: str) -> tuple[Path, Path]:  # type: ignore
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_known_hosts_lines_dfo_does_not_use_are_kept_and_a_new_key_is_appended(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     node = testbed.nodes[0]
     other = _other_key(tmp_path)
@@ -232,7 +238,7 @@ def test_known_hosts_lines_dfo_does_not_use_are_kept_and_a_new_key_is_appended(t
     hashed_other.write_text(f"elsewhere.example {other}\n")
     subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(hashed_other)], check=True, capture_output=True)
     before = ("# dfo's known hosts, kept by hand too\n"
-              f"@cert-authority * {other} the corp CA\n"
+              f"@cert-authority *.corp.example {other} the corp CA\n"  # a CA line that covers the node: test_openssh
               f"@revoked gone.example {_other_key(tmp_path, 'gone')}\n"
               f"{SK_LINE}\n"
               "\n"
@@ -254,6 +260,7 @@ def test_known_hosts_lines_dfo_does_not_use_are_kept_and_a_new_key_is_appended(t
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_hashed_host_line_is_honoured(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     node = testbed.nodes[0]
     inv, kh = _kh_env(testbed, tmp_path, f"{_label(node)} {testbed.host_public_key(node)}\n")
@@ -270,6 +277,7 @@ def test_a_hashed_host_line_is_honoured(testbed, tmp_path: Path) -> None:  # typ
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_first_contact_from_many_connections_at_once_records_each_key_once(testbed2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     inv, kh = _kh_env(testbed2, tmp_path, "# shared by several dfo processes\n")
     procs = [dfo_popen(inv, "status", "-H", "testbed") for _ in range(4)]  # each: both nodes in parallel
@@ -282,6 +290,7 @@ def test_first_contact_from_many_connections_at_once_records_each_key_once(testb
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 @pytest.mark.parametrize("also_plain", [False, True])
 def test_a_revoked_host_key_is_refused(testbed, tmp_path: Path, also_plain: bool) -> None:  # type: ignore[no-untyped-def]
     node = testbed.nodes[0]
@@ -295,6 +304,7 @@ def test_a_revoked_host_key_is_refused(testbed, tmp_path: Path, also_plain: bool
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 @pytest.mark.parametrize("damage", ["cut_key", "no_key", "bad_marker", "bad_hash", "wrong_type", "not_base64"])
 def test_a_damaged_known_hosts_line_is_exit_2_naming_file_and_line(testbed, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
     node = testbed.nodes[0]
@@ -315,6 +325,7 @@ def test_a_damaged_known_hosts_line_is_exit_2_naming_file_and_line(testbed, tmp_
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_command_that_exits_without_reading_its_stdin_is_no_lost_connection(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Its channel closes while dfo still sends stdin (a remote module that asks for the agent upload
     does this): the exit code comes back; it was exit 4 "connection lost: Socket is closed"."""
@@ -328,6 +339,7 @@ def test_a_command_that_exits_without_reading_its_stdin_is_no_lost_connection(te
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_big_stdin_arrives_whole(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """32 MiB through stdin arrive byte for byte (stdin is sent as a memoryview: paramiko's sendall
     re-slices what is left after every packet, which copied a bytes payload each time)."""

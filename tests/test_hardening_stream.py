@@ -86,6 +86,7 @@ def _noisy_node(make_testbed, tmp_path: Path) -> RunsEnv:  # type: ignore[no-unt
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_login_shell_noise_does_not_break_framing(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env = _noisy_node(make_testbed, tmp_path)
     host = env.node.name
@@ -112,6 +113,7 @@ def test_login_shell_noise_does_not_break_framing(make_testbed, tmp_path: Path) 
 
 
 @on_testbed
+@pytest.mark.usefixtures("each_ssh_transport")
 def test_a_stream_that_never_starts_is_an_error_naming_the_host(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env = _noisy_node(make_testbed, tmp_path)
     host = env.node.name

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..transport.base import Transport
 
 
-def run_workspace(conn: Transport, loaded: LoadedJob | None) -> str:
+def run_workspace(conn: Transport, loaded: LoadedJob | None) -> str | None:
     """Where the runs are: the job's workspace, else the host's."""
     return job_workspace(loaded.job if loaded else None, conn.host.workspace)
 

@@ -34,6 +34,11 @@ def render(host: str, r: VerifyReport) -> None:
     row("os", f"{f.os}, kernel {f.kernel}, {f.arch}")
     row("cpus / memory", f"{f.cpus} / {_gib(f.memory.total)} ({_gib(f.memory.available)} available)")
     row("python3", f"{f.python} ({f.python_executable})")
+    if f.user is not None:
+        row("user", f"{f.user.name} (uid {f.user.uid}, home {f.user.home})")
+    if f.workspace is not None:
+        ws = f.workspace
+        row("workspace", ws.path + (f" (default: {ws.why})" if ws.default else f" (given: {ws.given})"))
     for name, d in f.disk.items():
         row(f"free {name}",
             f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
@@ -93,9 +98,17 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
     breaks (a job override with a reason turns a break into a warning). Also reports known-bad
     combinations (GPU arch x package versions). Hosts are probed in parallel.
 
+    Shows the node's user and the workspace dfo uses there: the one given (job, else inventory),
+    else the node's default, /workspace when the user may write it and ~/workspace when not. With
+    -j, every path of the job (workspace, venv, model.dest, data.dest, run.workdir, code.dest,
+    outputs.path; ~ is the node user's home) that the user cannot write is a problem naming the
+    field, and a warning names what provision would miss: ensurepip (the python3.X-venv package)
+    when it must create the venv with `python3 -m venv`, uv, or the job's python.
+
     \b
     Exit codes: 0 no problem; 2 bad usage or job file; 3 a problem remains (a pin, a broken
-    requirement, a missing venv, a known-bad combination, a GPU check); 4 host unreachable.
+    requirement, a missing venv, a path the user cannot write, a known-bad combination, a GPU
+    check, python3 older than 3.8); 4 host unreachable or login refused.
     """
     job = load_job(job_path).job if job_path else None
 

@@ -13,10 +13,13 @@ from pydantic_core import PydanticCustomError
 from remote.lib.redact import is_secret
 
 from ..errors import ConfigError, UsageError
+from ..nodepath import canonical
 from . import rules as jobrules
 from .yamlpos import load_model
 
 DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
+# ssh: the OpenSSH client when a usable one is on PATH, else paramiko; openssh, paramiko: that one; local: bash here
+TransportName = Literal["ssh", "openssh", "paramiko", "local"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -32,11 +35,15 @@ class HostDefaults(Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     identity: str | None = None
     known_hosts: str = DEFAULT_KNOWN_HOSTS
-    python: str = "python3"
-    workspace: str = "/workspace"
+    python: Annotated[str, AfterValidator(canonical)] = "python3"
+    # None: the node's default, /workspace when its user can write it, else ~/workspace (remote/lib/fsutil.py)
+    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
     connect_timeout: float = Field(default=10.0, gt=0)
     command_timeout: float = Field(default=600.0, gt=0)
     proxy_jump: str | None = None
+    transport: TransportName | None = None  # every host's, unless its own entry says otherwise
+    ssh_persist: float = Field(default=60.0, ge=0)  # OpenSSH: seconds a shared connection outlives dfo; 0: off
+    ssh_config: str | None = None  # OpenSSH and paramiko: this ssh_config file only (as ssh -F)
 
 
 class HostEntry(Strict):
@@ -45,10 +52,10 @@ class HostEntry(Strict):
     user: str | None = None
     identity: str | None = None
     gpus: int | None = Field(default=None, ge=0)
-    python: str | None = None
-    workspace: str | None = None
+    python: Annotated[str, AfterValidator(canonical)] | None = None
+    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
     proxy_jump: str | None = None
-    transport: Literal["ssh", "local"] = "ssh"
+    transport: TransportName | None = None  # default: defaults.transport, else ssh
     private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
 
 
@@ -70,7 +77,7 @@ class ResolvedHost(BaseModel):
     """Everything the connection layer needs for one host (after ~/.ssh/config)."""
 
     name: str
-    transport: Literal["ssh", "local"] = "ssh"
+    transport: TransportName = "ssh"  # as resolved: openssh, paramiko or local ("ssh": decided when it connects)
     hostname: str = "localhost"
     port: int = 22
     user: str | None = None
@@ -79,11 +86,20 @@ class ResolvedHost(BaseModel):
     proxy_jump: str | None = None  # "a,b": through a, then b (ProxyJump)
     proxy_command: str | None = None  # ~/.ssh/config ProxyCommand (when no ProxyJump applies)
     python: str = "python3"
-    workspace: str = "/workspace"
+    workspace: str | None = None  # None: the node's default workspace (decided on the node)
     connect_timeout: float = 10.0
     command_timeout: float = 600.0
     gpus: int | None = None
     private_address: str | None = None  # the inventory's hosts.NAME.private_address, else None
+    # the OpenSSH transport's (orchestrator/transport/openssh_setup.py): the name ssh is given, the host's own
+    # inventory fields as -o options, the ssh_config file dfo wrote for it, and `ssh -G`'s answer
+    alias: str | None = None
+    ssh_options: list[str] = []
+    ssh_config: str | None = None  # the user's own file (defaults.ssh_config or $DFO_SSH_CONFIG), else None
+    ssh_resolve: str | None = None
+    ssh_resolved: dict[str, list[str]] = {}
+    ssh_persist: float = 60.0
+    user_known_hosts: list[str] = []  # the user's own known_hosts files (ssh_config's UserKnownHostsFile): trusted too
 
     @property
     def gang_address(self) -> str:
@@ -106,25 +122,33 @@ def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path
     return inv, p
 
 
-def ssh_config_path() -> Path:
-    """The ssh_config file dfo reads: $DFO_SSH_CONFIG (only that file, like ``ssh -F``), else
+def ssh_config_only(explicit: str | None = None) -> str | None:
+    """The one ssh_config file dfo is told to read (like ``ssh -F``): the inventory's
+    defaults.ssh_config (``explicit``), else $DFO_SSH_CONFIG, else None (ssh's own files)."""
+    only = explicit or os.environ.get("DFO_SSH_CONFIG")
+    return str(Path(only).expanduser()) if only else None
+
+
+def ssh_config_path(explicit: str | None = None) -> Path:
+    """The ssh_config file dfo reads: ssh_config_only (only that file, like ``ssh -F``), else
     ~/.ssh/config then /etc/ssh/ssh_config, as OpenSSH and fabric read them."""
-    return Path(os.environ.get("DFO_SSH_CONFIG", "~/.ssh/config")).expanduser()
+    return Path(ssh_config_only(explicit) or "~/.ssh/config").expanduser()
 
 
 _SSH_CONFIGS: dict[tuple[object, ...], object] = {}
 
 
-def ssh_configuration() -> Any:
+def ssh_configuration(explicit: str | None = None) -> Any:
     """fabric's Config with the ssh_config file(s) loaded (fabric's own loading, see ssh_config_path);
     read again when a file changes. The connection layer builds every ProxyJump hop from it."""
     import fabric  # local import: ssh config only
 
-    path = ssh_config_path()
-    files = [path] if "DFO_SSH_CONFIG" in os.environ else [path, Path("/etc/ssh/ssh_config")]
+    only = ssh_config_only(explicit) is not None
+    path = ssh_config_path(explicit)
+    files = [path] if only else [path, Path("/etc/ssh/ssh_config")]
     key = tuple((str(f), f.stat().st_mtime_ns if f.is_file() else None) for f in files)
     if key not in _SSH_CONFIGS:
-        if "DFO_SSH_CONFIG" in os.environ:
+        if only:
             kw: dict[str, Any] = ({"runtime_ssh_path": str(path)} if path.is_file()
                                   else {"overrides": {"load_ssh_configs": False}})
         else:
@@ -145,15 +169,15 @@ def _ssh_config_error(files: list[Path], exc: Exception) -> ConfigError:
                        hint="fix the line (see ssh_config(5)), or point DFO_SSH_CONFIG at another file")
 
 
-def _ssh_config_lookup(alias: str) -> dict[str, Any]:
+def _ssh_config_lookup(alias: str, explicit: str | None = None) -> dict[str, Any]:
     """ssh_config's options for ``alias`` (lower-case keys; ProxyCommand's %h/%p/%r expanded). Values
     are strings, but lists for the keys that may repeat (identityfile)."""
-    cfg = ssh_configuration()
+    cfg = ssh_configuration(explicit)
     try:
         return dict(cfg.base_ssh_config.lookup(alias))
     except Exception as exc:  # noqa: BLE001 - a Match that paramiko cannot evaluate
-        path = ssh_config_path()
-        raise _ssh_config_error([path] if "DFO_SSH_CONFIG" in os.environ
+        path = ssh_config_path(explicit)
+        raise _ssh_config_error([path] if ssh_config_only(explicit)
                                 else [path, Path("/etc/ssh/ssh_config")], exc) from None
 
 
@@ -184,19 +208,28 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         raise UsageError(f"unknown host {name!r}", hint=f"hosts in {inv_path}: {', '.join(inv.hosts) or 'none'}")
     d = inv.defaults
     alias = entry.host or name
-    sshc = _ssh_config_lookup(alias) if entry.transport == "ssh" else {}
     base = inv_path.parent
 
     def absolute(path: str) -> str:
         p = os.path.expanduser(path)
         return p if os.path.isabs(p) else str((base / p).resolve())
 
+    transport = entry.transport or d.transport or "ssh"
+    if transport == "ssh":
+        from ..transport import ssh_transport
+
+        transport = "openssh" if ssh_transport() == "openssh" else "paramiko"
+    explicit = ssh_config_only(absolute(d.ssh_config) if d.ssh_config else None)
+    if entry.identity and transport != "local" and not os.path.exists(absolute(entry.identity)):
+        raise ConfigError(f"{inv_path}: hosts.{name}.identity: {absolute(entry.identity)} does not exist",
+                          hint="point it at the private key for this host")
+    if transport == "openssh":
+        return _resolve_openssh(inv, name, entry, alias, explicit, absolute)
+    sshc = _ssh_config_lookup(alias, explicit) if transport == "paramiko" else {}
+    _say_unhonoured(name, sshc)
     identities: list[str] = []
     if entry.identity:
         identities.append(absolute(entry.identity))
-        if entry.transport == "ssh" and not os.path.exists(identities[0]):
-            raise ConfigError(f"{inv_path}: hosts.{name}.identity: {identities[0]} does not exist",
-                              hint="point it at the private key for this host")
     identities += [absolute(str(i)) for i in sshc.get("identityfile", []) or []]
     if d.identity and os.path.exists(absolute(d.identity)):
         identities.append(absolute(d.identity))  # a missing default key falls back to ssh's own keys/agent
@@ -205,7 +238,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
     proxy_jump, proxy_command = _proxy(entry.proxy_jump, sshc, d.proxy_jump)
     return ResolvedHost(
         name=name,
-        transport=entry.transport,
+        transport=transport,
         hostname=str(sshc.get("hostname", alias)),
         port=port,
         user=entry.user or (str(sshc["user"]) if "user" in sshc else None) or d.user,
@@ -219,7 +252,100 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         command_timeout=d.command_timeout,
         gpus=entry.gpus,
         private_address=entry.private_address,
+        alias=alias,
+        ssh_config=explicit,
+        ssh_persist=d.ssh_persist,
+        user_known_hosts=[os.path.expanduser(f) for f in
+                          str(sshc.get("userknownhostsfile") or "~/.ssh/known_hosts ~/.ssh/known_hosts2").split()],
     )
+
+
+def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, explicit: str | None,
+                     absolute: Any) -> ResolvedHost:
+    """The OpenSSH transport's view of a host: `ssh -G` with dfo's config (orchestrator/transport/openssh_setup.py)
+    says what ssh will use; the host's own fields are -o options (they win), the inventory's defaults
+    fill what ssh_config leaves unset."""
+    from ..transport.openssh_setup import pct, q, resolve
+
+    d = inv.defaults
+    own: list[str] = []
+    if entry.port:
+        own.append(f"Port={entry.port}")
+    if entry.user:
+        own.append(f"User={q(entry.user)}")
+    if entry.identity:
+        own.append(f"IdentityFile={q(pct(absolute(entry.identity)))}")
+    if entry.proxy_jump:
+        own.append(f"ProxyJump={entry.proxy_jump.strip()}")  # ssh takes no quotes here (no blanks in it)
+    fill: dict[str, str] = {}
+    if d.user:
+        fill["User"] = d.user
+    if d.port:
+        fill["Port"] = str(d.port)
+    if d.identity and os.path.exists(absolute(d.identity)):
+        fill["IdentityFile"] = pct(absolute(d.identity))  # a missing default key: ssh's own keys and agent
+    if d.proxy_jump:
+        fill["ProxyJump"] = d.proxy_jump
+    config, got = resolve(alias, own, fill, explicit, d.connect_timeout)
+
+    def one(key: str) -> str | None:
+        v = got.get(key)
+        return v[0] if v else None
+
+    def given(v: str | None) -> str | None:
+        return None if v is None or v.strip().lower() == "none" else v
+
+    hostname, port, user = one("hostname") or alias, int(one("port") or 22), one("user")
+    command = given(one("proxycommand"))
+    if command:  # as ssh runs it (tokens expanded), for messages
+        command = re.sub(r"%[%hpr]", lambda m: {"%%": "%", "%h": hostname, "%p": str(port),
+                                                "%r": user or ""}[m.group(0)], command)
+    return ResolvedHost(
+        name=name, transport="openssh", hostname=hostname, port=port,
+        user=user, identities=_configured_keys(got.get("identityfile", [])),
+        known_hosts=absolute(d.known_hosts), proxy_jump=given(one("proxyjump")),
+        proxy_command=command, python=entry.python or d.python,
+        workspace=entry.workspace or d.workspace, connect_timeout=d.connect_timeout,
+        command_timeout=d.command_timeout, gpus=entry.gpus, private_address=entry.private_address,
+        alias=alias, ssh_options=own, ssh_config=explicit, ssh_resolve=str(config), ssh_resolved=got,
+        ssh_persist=d.ssh_persist, user_known_hosts=[f for v in got.get("userknownhostsfile", []) for f in v.split()])
+
+
+# ssh_config keywords the paramiko transport does not apply (OpenSSH's does): named on stderr, never ignored
+# in silence. dfo's own policy replaces StrictHostKeyChecking, ServerAlive*, ConnectTimeout, HashKnownHosts.
+_PARAMIKO_IGNORES = {
+    "include": "Include", "identitiesonly": "IdentitiesOnly", "identityagent": "IdentityAgent",
+    "certificatefile": "CertificateFile", "controlmaster": "ControlMaster", "controlpath": "ControlPath",
+    "controlpersist": "ControlPersist", "hostkeyalias": "HostKeyAlias", "pkcs11provider": "PKCS11Provider",
+    "securitykeyprovider": "SecurityKeyProvider", "canonicalizehostname": "CanonicalizeHostname",
+    "addressfamily": "AddressFamily", "bindaddress": "BindAddress", "forwardagent": "ForwardAgent",
+    "pubkeyacceptedalgorithms": "PubkeyAcceptedAlgorithms", "hostkeyalgorithms": "HostKeyAlgorithms",
+    "kexalgorithms": "KexAlgorithms", "ciphers": "Ciphers", "macs": "MACs",
+}
+_SAID: set[str] = set()
+
+
+def _say_unhonoured(name: str, sshc: dict[str, Any]) -> None:
+    """On the paramiko transport: name, once per host, the ssh_config keywords it does not apply."""
+    import glob
+    import sys
+
+    keys = [v for k, v in _PARAMIKO_IGNORES.items() if k in sshc
+            and (k != "include" or any(glob.glob(os.path.expanduser(f)) for f in str(sshc[k]).split()))]
+    if keys and name not in _SAID:
+        _SAID.add(name)
+        sys.stderr.write(f"dfo: {name}: the paramiko transport does not apply {', '.join(keys)} from ssh_config "
+                         "(transport: openssh does)\n")
+
+
+_SSH_DEFAULT_KEYS = ["id_rsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519", "id_ed25519_sk", "id_xmss", "id_dsa"]
+
+
+def _configured_keys(files: list[str]) -> list[str]:
+    """ssh -G's IdentityFile list, less ssh's own defaults (listed when nothing names a key)."""
+    if [os.path.basename(f) for f in files] == _SSH_DEFAULT_KEYS:
+        return []
+    return [os.path.expanduser(f) for f in files]
 
 
 def expand_targets(inv: Inventory, targets: tuple[str, ...] | list[str], inv_path: Path) -> list[str]:
@@ -302,7 +428,7 @@ class CodeConfig(Strict):
     """code: a local folder pushed to the node before every launch (dfo sync-code; docs/code.md)."""
 
     source: str = "."  # relative to the job file; in a git work tree: what git would commit
-    dest: str | None = None  # on the node; default run.workdir
+    dest: NodePath | None = None  # on the node; default run.workdir
     exclude: list[str] = []  # more gitignore-style patterns
 
 
@@ -321,7 +447,7 @@ class OutputsConfig(Strict):
 
 
 class RunConfig(Strict):
-    workdir: str = "/root"
+    workdir: NodePath = "~"  # the node user's home (/root for root)
     upload: list[str] = []
     command: Annotated[str, AfterValidator(lambda v: jobrules.command_placeholders(v, {}))]
     env: dict[str, str] = {}
@@ -359,13 +485,13 @@ class RunConfig(Strict):
 
 class Job(Strict):
     name: str
-    python: str = "python3"
-    venv: str = "/root/venv"
+    python: Annotated[str, AfterValidator(canonical)] = "python3"
+    venv: NodePath = "~/venv"  # ~: the node user's home (/root/venv for root)
     installer: Literal["uv", "pip"] = "pip"
     packages: list[PackageSpec] = []
     index: IndexConfig = IndexConfig()
     overrides: list[Override] = []
-    workspace: str | None = None
+    workspace: NodePath | None = None  # None: the host's (inventory), else the node's default
     s3: S3Config = S3Config()
     model: ModelConfig | None = None
     data: DataConfig | None = None

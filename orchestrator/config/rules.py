@@ -18,6 +18,8 @@ from pydantic_core import PydanticCustomError
 
 from remote.lib.redact import redact
 
+from ..nodepath import canonical, in_home
+
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
 PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
 
@@ -102,11 +104,12 @@ def transfer_source(source: str, section: str) -> str:
 
 
 def node_path(dest: str) -> str:
-    """A dest on the node: an absolute path (or one under ~)."""
-    if not dest.strip().startswith(("/", "~")):
-        raise fail(f"{dest.strip()!r} must be an absolute path on the node, for example /workspace/data or "
-                   "/dev/shm/model")
-    return dest
+    """A path on the node: absolute, or under the node user's home (``~``, ``$HOME``: expanded on the
+    node, never here; spelled ``~``, see orchestrator.nodepath)."""
+    if not (dest.strip().startswith("/") or in_home(dest.strip())):
+        raise fail(f"{dest.strip()!r} must be an absolute path on the node or one under its user's home, for "
+                   "example /workspace/data, /dev/shm/model or ~/data")
+    return canonical(dest)
 
 
 # --------------------------------------------------------------------------- outputs:

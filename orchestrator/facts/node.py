@@ -47,6 +47,50 @@ class TritonCache(Loose):
     files: int = 0
 
 
+class NodeUser(Loose):
+    name: str
+    uid: int
+    home: str
+
+
+class WorkspaceFacts(Loose):
+    """The workspace dfo uses on the node: the one given (job, else inventory), else the node's default."""
+
+    path: str
+    given: str | None = None
+    default: bool = False
+    why: str | None = None  # the default's reason (/workspace writable, or not and so ~/workspace)
+
+
+class PathAccess(Loose):
+    """Whether the node's user may write a path of the job (or create it)."""
+
+    path: str
+    ok: bool = True
+    exists: bool = False
+    blocker: str | None = None  # the folder in the way: the path or its nearest existing parent
+    why: str | None = None
+
+
+class Ensurepip(Loose):
+    ok: bool = False
+    version: str | None = None
+    package: str = "python3-venv"
+    error: str | None = None
+
+
+class InstallerNeeds(Loose):
+    """What the job's provision needs on this node (remote.env.probe.installer_needs)."""
+
+    kind: str
+    python: str | None = None
+    executable: str | None = None
+    venv_exists: bool = False
+    uv: str | None = None
+    needs_ensurepip: bool = False
+    ensurepip: Ensurepip | None = None
+
+
 class NodeFacts(Loose):
     hostname: str
     os: str
@@ -62,6 +106,10 @@ class NodeFacts(Loose):
     venv_python: str | None = None
     venv_python_exists: bool = False
     records: dict[str, Any] = {}
+    user: NodeUser | None = None
+    workspace: WorkspaceFacts | None = None
+    job_paths: dict[str, PathAccess] = {}
+    installer: InstallerNeeds | None = None
 
 
 class Problem(Loose):

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import nodepath
 from ..config.models import Job, ResolvedHost, RunConfig
 from ..errors import ConfigError, UsageError
 from .runs import render_command
@@ -103,7 +104,7 @@ def torchrun_command(python: str, command: str, *, nodes: int, nproc: int, rank:
         argv += ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"{_host_port(master, port)}", "--rdzv-id", run_id,
                  "--rdzv-conf", f"is_host={1 if rank == 0 else 0}", "--local-addr", local_addr]
-    return " ".join(shlex.quote(a) for a in argv) + " " + command
+    return " ".join([nodepath.shell(python)] + [shlex.quote(a) for a in argv[1:]]) + " " + command
 
 
 def _host_port(addr: str, port: int) -> str:

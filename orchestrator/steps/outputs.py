@@ -206,11 +206,11 @@ class ShipReport(MoveReport):
                    changed_during=int(p.get("changed_during") or 0), error=p.get("error"))
 
 
-def request(workspace: str, run: str | None, job: str | None) -> dict[str, Any]:
+def request(workspace: str | None, run: str | None, job: str | None) -> dict[str, Any]:
     return {"workspace": workspace, "run": run, "job": job}
 
 
-def ship(conn: Transport, workspace: str, run: str, loaded: LoadedJob | None,
+def ship(conn: Transport, workspace: str | None, run: str, loaded: LoadedJob | None,
          on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A pass now for run ``run`` (an id: resolve RUN first with ``outputs``): the run's shipper does it
     when it is alive, else the node runs one itself with the spec (and credentials) sent here, which

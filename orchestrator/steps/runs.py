@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .. import nodepath
 from ..agent import NODE, run_module
 from ..config.models import Job, LoadedJob, RunConfig, is_secret_env
 from ..config.rules import PLACEHOLDERS, fill_placeholders
@@ -167,14 +168,19 @@ class StopReport(BaseModel):
 def render_command(job: Job, *, run_id: str | None = None, workspace: str | None = None) -> str:
     """The job's run.command with {python}, {model.dest}, {data.dest}, {workspace}, {run_id},
     {run_dir} filled in (values shell-quoted). ``${VAR}`` and other braces are left to bash; an
-    unknown ``{name}`` is an error. Without ``run_id``, {run_id} and {run_dir} stay as they are."""
+    unknown ``{name}`` is an error. Without ``run_id``, {run_id} and {run_dir} stay as they are.
+    A path under ``~`` stays for the node's shell to expand (``"$HOME"/venv/bin/python``); without a
+    workspace (the node's default, decided there) {workspace} and {run_dir} are ``"$DFO_WORKSPACE"``
+    and ``"$DFO_RUN_DIR"``, which the node's supervisor sets for the trainer."""
     if job.run is None:
         raise ConfigError(f"job {job.name}: no 'run:' section", hint="add run: {command: ...} to the job file")
-    ws = workspace or job.workspace or "/workspace"
+    ws = workspace or job.workspace
     values: dict[str, str | None] = {
-        "python": job.venv_python, "workspace": ws,
-        "model.dest": job.model.dest if job.model else None, "data.dest": job.data.dest if job.data else None,
-        "run_id": run_id, "run_dir": run_dir_of(ws, run_id) if run_id else None,
+        "python": nodepath.shell(job.venv_python), "workspace": nodepath.shell(ws) if ws else '"$DFO_WORKSPACE"',
+        "model.dest": nodepath.shell(job.model.dest) if job.model else None,
+        "data.dest": nodepath.shell(job.data.dest) if job.data else None,
+        "run_id": shlex.quote(run_id) if run_id else None,
+        "run_dir": (nodepath.shell(run_dir_of(ws, run_id)) if ws else '"$DFO_RUN_DIR"') if run_id else None,
     }
 
     def sub(m: re.Match[str]) -> str:
@@ -189,7 +195,7 @@ def render_command(job: Job, *, run_id: str | None = None, workspace: str | None
             section = key.split(".")[0]
             raise ConfigError(f"job {job.name}: run.command uses {{{key}}} but the job has no '{section}:' section",
                               hint=f"add {section}: {{source: ..., dest: ...}} or drop {{{key}}}")
-        return shlex.quote(value)
+        return value  # quoted already
 
     return fill_placeholders(job.run.command, sub).strip()
 
@@ -307,20 +313,20 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
 # --------------------------------------------------------------------------- status / stop / read
 
 
-def status(conn: Transport, workspace: str, run: str | None = None, job: str | None = None,
+def status(conn: Transport, workspace: str | None, run: str | None = None, job: str | None = None,
            limit: int = 20) -> list[RunInfo]:
     data = run_module(conn, NODE.runs, {"op": "status", "workspace": workspace, "run": run, "job": job,
                                      "limit": limit, "tail": TAIL_FOR_DIAGNOSIS}, timeout=60)
     return [RunInfo.model_validate(r) for r in data["runs"]]
 
 
-def outputs_of(conn: Transport, workspace: str, run: str | None, job: str | None) -> RunInfo:
+def outputs_of(conn: Transport, workspace: str | None, run: str | None, job: str | None) -> RunInfo:
     """The run with its outputs record in full (dfo outputs)."""
     data = run_module(conn, NODE.runs, {"op": "outputs", "workspace": workspace, "run": run, "job": job}, timeout=60)
     return RunInfo.model_validate(data)
 
 
-def stop(conn: Transport, workspace: str, run: str, grace: float | None = None, job: str | None = None,
+def stop(conn: Transport, workspace: str | None, run: str, grace: float | None = None, job: str | None = None,
          outputs_wait: float = 0) -> RunInfo:
     """Stop the run; with ``outputs_wait`` > 0, also wait up to that long for a stopped run's last
     outputs pass (it ships the checkpoint the trainer left)."""
@@ -330,8 +336,8 @@ def stop(conn: Transport, workspace: str, run: str, grace: float | None = None, 
     return RunInfo.model_validate(data)
 
 
-def read_lines(conn: Transport, workspace: str, run: str | None, lines: int | str, on_line: Callable[[str], None],
-               job: str | None = None) -> RunInfo:
+def read_lines(conn: Transport, workspace: str | None, run: str | None, lines: int | str,
+               on_line: Callable[[str], None], job: str | None = None) -> RunInfo:
     """--no-follow: the log from the last ``lines`` lines (or line +N) to its current end, streamed
     (memory stays bounded however big the log); a lost connection is an error at once."""
     return follow(conn, workspace, run=run, job=job, lines=lines, on_line=on_line, reconnect_budget_s=0,
@@ -340,7 +346,7 @@ def read_lines(conn: Transport, workspace: str, run: str | None, lines: int | st
 
 def follow(
     conn: Transport,
-    workspace: str,
+    workspace: str | None,
     *,
     run: str | None = None,
     job: str | None = None,

@@ -18,12 +18,66 @@ from ..facts.node import NodeFacts, PkgReport, Problem
 from ..transport.base import Transport
 
 
-def workspace_of(conn: Transport, job: Job | None) -> str:
+def workspace_of(conn: Transport, job: Job | None) -> str | None:
+    """The job's workspace, else the host's; None: the node's default (decided there)."""
     return (job.workspace if job and job.workspace else None) or conn.host.workspace
 
 
-def provision_record_path(workspace: str, job_name: str) -> str:
-    return f"{workspace.rstrip('/')}/.dfo/provision/{job_name}.json"
+def job_paths(job: Job) -> dict[str, str]:
+    """Every path of the job on the node that its commands write, by field (``~`` left to the node)."""
+    out = {"venv": job.venv}
+    if job.model is not None:
+        out["model.dest"] = job.model.dest
+    if job.data is not None:
+        out["data.dest"] = job.data.dest
+    if job.run is not None:
+        out["run.workdir"] = job.run.workdir
+    if job.code is not None and job.code.dest:
+        out["code.dest"] = job.code.dest
+    if job.outputs is not None:
+        out["outputs.path"] = job.outputs.path.replace("{name}", job.name)
+    return out
+
+
+def path_problems(facts: NodeFacts, host: str) -> list[Problem]:
+    """A problem for each path of the job (and the workspace) that the node's user cannot write,
+    naming the field, the path, the folder in the way and what to do."""
+    who = facts.user.name if facts.user else "this user"
+    out = []
+    for field, a in facts.job_paths.items():
+        if a.ok:
+            continue
+        why = f"{a.why}" if a.blocker in (None, a.path) else f"{a.blocker}: {a.why}"
+        fix = (f"set {field} to a folder {who} may write, e.g. under its home (~/...)" if field != "workspace" else
+               "set workspace: (inventory or job) to a folder it may write, e.g. ~/workspace, or leave it unset "
+               "(the node's default: /workspace when writable, else ~/workspace)")
+        out.append(Problem(kind="not_writable", package=None, expected=a.path, found=a.blocker,
+                           message=f"{field}: {who} on {host} cannot write {a.path} ({why}); {fix}"))
+    return out
+
+
+def installer_warnings(facts: NodeFacts, job: Job) -> list[Problem]:
+    """Warnings that name what the job's provision will miss here: ensurepip, uv, the job's python."""
+    n = facts.installer
+    if n is None:
+        return []
+    if n.executable is None:
+        return [Problem(kind="python_missing", package=None, expected=job.python, found=None,
+                        message=f"the job's python {job.python!r} is not on the node: provision cannot create the "
+                                f"venv {job.venv}; install it there, or set python: in the job file to one it has")]
+    e = n.ensurepip
+    if not n.needs_ensurepip or e is None or e.ok:
+        return []
+    fix = f"install {e.package} on the node (sudo apt install {e.package})"
+    if n.kind == "uv":
+        message = (f"installer: uv, but the node has no uv (PATH, ~/.local/bin, ~/.cargo/bin), and {n.executable} "
+                   f"has no ensurepip to make a venv that pip could install uv into: install uv on the node "
+                   f"(its installer puts it in ~/.local/bin), or {fix}")
+    else:
+        message = (f"installer: pip makes the venv {job.venv} with `{job.python} -m venv`, which needs ensurepip, "
+                   f"and {n.executable} (python {e.version or '?'}) has none: {fix}, or use installer: uv with uv "
+                   f"on the node")
+    return [Problem(kind="ensurepip_missing", package=e.package, expected="ensurepip", found=None, message=message)]
 
 
 def dist_name(spec: str) -> str:
@@ -67,6 +121,10 @@ class VerifyReport(BaseModel):
                 "disk": {k: v.model_dump() for k, v in f.disk.items()},
                 "nvidia": {"present": f.nvidia.present, "driver": f.nvidia.driver, "cuda": f.nvidia.cuda},
                 "triton_cache": f.triton_cache.model_dump(),
+                "user": f.user.model_dump() if f.user else None,
+                "workspace": f.workspace.model_dump() if f.workspace else None,
+                "paths": {k: v.model_dump() for k, v in f.job_paths.items()},
+                "installer": f.installer.model_dump() if f.installer else None,
             },
             "venv_python": f.venv_python,
             "provision": self.provision,
@@ -89,16 +147,22 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
 
 def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
     ws = workspace_of(conn, job)
-    record = provision_record_path(ws, job.name) if job else None
     raw = run_module(conn, NODE.probe, {
-        "paths": {"workspace": ws, "shm": "/dev/shm"},
+        "workspace": ws, "paths": {"shm": "/dev/shm"},
         "venv_python": job.venv_python if job else None,
-        "records": [record] if record else [],
+        "provision_record": job.name if job else None,
+        "job_paths": {"workspace": ws or "", **(job_paths(job) if job else {})},
+        "installer": {"kind": job.installer, "python": job.python, "venv": job.venv} if job else None,
     })  # the host's command_timeout
     facts = NodeFacts.model_validate(raw)
     report = VerifyReport(host=conn.name, facts=facts)
-    if record:
-        report.provision = facts.records.get(record)
+    if job is not None:
+        report.provision = facts.records.get("provision")
+        report.problems.extend(path_problems(facts, conn.name))
+        report.warnings.extend(installer_warnings(facts, job))
+    elif facts.workspace is not None:  # no job: only the workspace, and only as a warning
+        report.warnings.extend(path_problems(facts.model_copy(update={"job_paths": {
+            k: v for k, v in facts.job_paths.items() if k == "workspace"}}), conn.name))
     for name, d in facts.disk.items():
         if d.error:
             report.warnings.append(Problem(kind="disk", message=f"{name} ({d.path}): {d.error}"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..config.models import Job
 
 
-def job_workspace(job: Job | None, host_workspace: str) -> str:
+def job_workspace(job: Job | None, host_workspace: str | None) -> str | None:
+    """The job's workspace, else the host's; None: the node's default (remote/fsutil.default_workspace)."""
     return (job.workspace if job is not None and job.workspace else None) or host_workspace
 
 

@@ -38,6 +38,7 @@ import pwd
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -82,7 +83,11 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, workdir: Path, nodes: int = 1, s3: bool = True, shm_size: str = "256m",
-                 use_netns: bool | None = None, s3_server: str | None = None) -> None:
+                 use_netns: bool | None = None, s3_server: str | None = None, user: str = "root",
+                 ensurepip: bool = True) -> None:
+        """``user``: the nodes' login user; another than root (e.g. "ubuntu") gets a home of its own,
+        /home/USER, and can write neither /root nor /workspace. ``ensurepip=False``: the nodes' python3
+        has no ensurepip (Debian without python3-venv). Both need namespace nodes (root)."""
         if not 1 <= nodes <= 200:
             raise ValueError("nodes must be between 1 and 200")
         if not re.fullmatch(r"\d+[kmgKMG]?", shm_size):
@@ -90,6 +95,9 @@ class Testbed:
         self.workdir = Path(workdir).resolve()
         self.count, self.want_s3, self.shm_size, self.s3_server = nodes, s3, shm_size, s3_server
         self.use_netns = use_netns
+        if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
+            raise ValueError(f"user {user!r}: expected a login name like ubuntu")
+        self.user, self.ensurepip = user, ensurepip
         self.id = secrets.token_hex(3)
         self.nodes: list[Node] = []
         self.s3: S3Endpoint | None = None
@@ -143,6 +151,9 @@ class Testbed:
             raise TestbedError("testbed cannot start: " + "; ".join(missing))
         if self.use_netns is None:
             self.use_netns = tsys.netns_usable() is None
+        if not self.use_netns and (self.user != "root" or not self.ensurepip):
+            raise TestbedError("testbed cannot start: a node user other than root, or a node without ensurepip, "
+                               "needs namespace nodes (root, ip netns)")
         self._started = True
         atexit.register(self.stop)
         t0 = time.monotonic()
@@ -226,7 +237,7 @@ class Testbed:
         self.bridge_address = f"10.77.{k}.1"
         for n in range(1, self.count + 1):
             name, ns = f"node-{n}", f"dfo-{self.id}-{n}"
-            st = _NodeState(Node(name, f"10.77.{k}.{n + 1}", 22, "root", self.shm_size),
+            st = _NodeState(Node(name, f"10.77.{k}.{n + 1}", 22, self.user, self.shm_size),
                             self.workdir / name, netns=ns, link=ns)
             self._state[name] = st
             self._record()
@@ -284,8 +295,10 @@ class Testbed:
 
     def _spawn_sshd(self, st: _NodeState) -> None:
         if st.netns:
+            extra = [] if self.user == "root" else tnode.user_mounts(st.dir, self.user, 1000)
+            extra += [] if self.ensurepip else [tnode.NO_ENSUREPIP]
             argv = tnode.netns_sshd_argv(st.netns, st.dir, st.node.name, st.node.shm_size,
-                                         tnode.hidden_paths(self.workdir))
+                                         tnode.hidden_paths(self.workdir), extra)
         else:
             argv = tnode.loopback_sshd_argv(st.dir)
         with open(st.dir / "sshd.log", "ab") as log:
@@ -398,3 +411,21 @@ class Testbed:
                 return new
             time.sleep(0.05)
         raise TestbedError(f"{st.node.name}: sshd did not serve the new host key within {timeout:.0f}s")
+
+    def set_login_shell(self, node: Node | str, shell: str) -> None:
+        """Give the node's login user another login shell (fish, tcsh, ...: installed on this machine), for
+        new SSH sessions: a copy of the node's /etc/passwd with that user's shell changed, bound over
+        /etc/passwd inside the node's own mount namespace (this machine's file is untouched)."""
+        st = self._st(node)
+        if not st.netns:
+            raise TestbedError(f"{st.node.name}: set_login_shell needs a namespace node (root); "
+                               "this testbed is loopback")
+        if not os.access(shell, os.X_OK):
+            raise TestbedError(f"{shell} is not installed here (apt-get install {Path(shell).name})")
+        user = st.node.user
+        script = (f"awk -F: -v OFS=: -v u={shlex.quote(user)} -v s={shlex.quote(shell)} "
+                  "'$1 == u { $7 = s } { print }' /etc/passwd > /tmp/.dfo-passwd && "
+                  "mount --bind /tmp/.dfo-passwd /etc/passwd")
+        r = self.node_exec(node, script)
+        if r.returncode != 0:
+            raise TestbedError(f"{st.node.name}: could not set the login shell: {r.stderr.strip()}")

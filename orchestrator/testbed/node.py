@@ -7,8 +7,10 @@ sshd listener). Loopback mode: sshd directly, with paths into the workdir.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 # the folder that holds dfo's code: the checkout (an editable install) or, installed from a wheel, the
@@ -80,14 +82,17 @@ def hidden_paths(workdir: Path) -> list[str]:
     return [str(p) for p in out]
 
 
-def netns_sshd_argv(netns: str, node_dir: Path, hostname: str, shm_size: str, hidden: list[str]) -> list[str]:
-    """argv that starts the node's sshd inside its network namespace and private mounts."""
+def netns_sshd_argv(netns: str, node_dir: Path, hostname: str, shm_size: str, hidden: list[str],
+                    extra: Sequence[str] = ()) -> list[str]:
+    """argv that starts the node's sshd inside its network namespace and private mounts (``extra``: more
+    shell lines, run after the node's own binds and before the controller's paths are hidden)."""
     q = shlex.quote
     script = [
         "set -e",
         f"mount --bind {q(str(node_dir / 'etc'))} /etc/ssh",
         f"mount --bind {q(str(node_dir / 'workspace'))} /workspace",
         f"mount --bind {q(str(node_dir / 'root'))} /root",
+        *extra,
         "mount -t tmpfs -o mode=1777 dfo-tmp /tmp",
         f"mount -t tmpfs -o mode=1777,size={q(shm_size)} dfo-shm /dev/shm",
         *(f"if [ -d {q(p)} ]; then mount -t tmpfs -o ro,size=4k,mode=755 dfo-hidden {q(p)}; fi"
@@ -97,6 +102,36 @@ def netns_sshd_argv(netns: str, node_dir: Path, hostname: str, shm_size: str, hi
     ]
     return ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--propagation", "private",
             "sh", "-c", "\n".join(script)]
+
+
+def user_mounts(node_dir: Path, user: str, uid: int) -> list[str]:
+    """A login user of the node's own (not root): passwd and group entries in copies of this machine's
+    files bound over /etc/passwd and /etc/group, and /home bound from ``node_dir/home`` holding its
+    home, /home/USER (owned by it). /root becomes 0700 and /workspace stays root's (0755): the user
+    can write neither, as on the images of Lambda and AWS (user ubuntu)."""
+    home = node_dir / "home"
+    (home / user).mkdir(parents=True, exist_ok=True)
+    os.chown(home / user, uid, uid)
+    (home / user).chmod(0o755)
+    (node_dir / "root").chmod(0o700)
+    def others(path: str) -> list[str]:  # this machine's entries, less any of the same name or id
+        return [ln for ln in Path(path).read_text().splitlines()
+                if ln.split(":")[0] != user and ln.split(":")[2:3] != [str(uid)]]
+
+    passwd, group = others("/etc/passwd"), others("/etc/group")
+    (node_dir / "passwd").write_text("\n".join(passwd + [f"{user}:x:{uid}:{uid}:dfo testbed:/home/{user}:/bin/bash"])
+                                     + "\n")
+    (node_dir / "group").write_text("\n".join(group + [f"{user}:x:{uid}:"]) + "\n")
+    q = shlex.quote
+    return [f"mount --bind {q(str(node_dir / 'passwd'))} /etc/passwd",
+            f"mount --bind {q(str(node_dir / 'group'))} /etc/group",
+            f"mount --bind {q(str(home))} /home"]
+
+
+# the stdlib's ensurepip of every python3.X of the node, hidden (an empty read-only folder: `python3 -m
+# venv` fails as on Debian without python3-venv; `import ensurepip` finds no package file)
+NO_ENSUREPIP = ("for d in /usr/lib/python3*/ensurepip /usr/local/lib/python3*/ensurepip; do "
+                "if [ -d \"$d\" ]; then mount -t tmpfs -o ro,size=4k,mode=755 dfo-no-ensurepip \"$d\"; fi; done")
 
 
 def loopback_sshd_argv(node_dir: Path) -> list[str]:

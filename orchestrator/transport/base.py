@@ -1,9 +1,14 @@
 """The small interface every way of reaching a node implements, and what a call returns.
 
-Two transports: ``ssh.Connection`` (SSH, through fabric) and ``local.LocalConnection`` (bash on
-this machine, for running dfo on the GPU box itself). Callers use only what is here: ``run``,
-``close``, ``reconnect``, ``name`` and ``host``; ``orchestrator.transport.open_connection`` picks
-the transport the inventory names. This module imports neither paramiko nor fabric.
+Three transports: ``openssh.OpenSSH`` (the OpenSSH client, ``ssh``), ``ssh.Connection`` (SSH through
+fabric and paramiko) and ``local.LocalConnection`` (bash on this machine, for running dfo on the GPU box
+itself). Callers use only what is here: ``run``, ``close``, ``reconnect``, ``name`` and ``host``;
+``orchestrator.transport.open_connection`` picks the transport the inventory names (``transport: ssh``:
+OpenSSH when a usable client is on PATH, see ``ssh_transport`` there). This module imports neither
+paramiko nor fabric.
+
+Every remote command runs under ``sh``, whatever the node user's login shell is (sshd hands the command
+to ``$SHELL -c``: fish, tcsh and nushell parse shell text differently): ``sh_command`` wraps it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,27 @@ class Transport(ABC):
 
     def reconnect(self) -> None:
         self.close()
+
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./:=,+-")
+_ESC = [chr(b) if b in _SAFE else f"\\{b:03o}" for b in range(256)]
+
+
+def sh_command(command: str, exit_marker: str | None = None) -> str:
+    r"""``command`` as a string that any login shell (sh, bash, zsh, fish, tcsh, nushell) hands to ``sh``
+    unchanged: ``sh -c 'eval "$(printf "\ooo...")"'``. Every byte but ``[A-Za-z0-9_./:=,+-]`` is written
+    as an octal escape, so the single-quoted text holds no quote, blank, ``$``, ``!`` or two backslashes
+    in a row, which one of those shells would read its own way; printf is sh's builtin (nothing else is
+    needed on the node).
+
+    ``exit_marker``: the command runs in a subshell, then sh writes ``\036dfo-exit:MARKER:CODE\036`` on
+    stderr: the OpenSSH transport tells the command's own exit 255 from ssh's, and sees the end of a
+    command whose leftover child holds the output open."""
+    script = command
+    if exit_marker is not None:
+        script = f"(\n{command}\n)\ns=$?\nprintf '\\036dfo-exit:{exit_marker}:%d\\036' \"$s\" >&2\nexit \"$s\"\n"
+    enc = "".join(_ESC[b] for b in script.encode())
+    return f"sh -c 'eval \"$(printf \"{enc}\")\"'"
 
 
 class _Tail:

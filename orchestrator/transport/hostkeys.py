@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import shlex
-import threading
 from pathlib import Path
 
 import paramiko
@@ -23,7 +22,7 @@ from ..errors import HostKeyError
 from . import known_hosts
 from .known_hosts import Entry, KnownHosts
 
-_KH_LOCK = threading.Lock()
+_KH_LOCK = known_hosts.KH_LOCK  # shared with the OpenSSH transport (openssh_keys.py)
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -60,11 +59,29 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
             if revoked is not None:
                 raise _revoked_error(self.host, hostname, key, revoked)
             same = [e for e in kh.recorded(hostname) if e.key_type == key.get_name()]
+            ca = next((e for e in kh.entries if e.marker == "@cert-authority" and e.matches(hostname)), None)
+            if not same and ca is not None:
+                raise HostKeyError(
+                    f"host key for {hostname}: a @cert-authority line covers it ({p}:{ca.lineno}), and the paramiko "
+                    "transport does not verify host certificates; a plain key is never trusted on first use "
+                    "there; nothing was run", host=self.host.name,
+                    hint="use transport: openssh (OpenSSH verifies host certificates), or, if you trust the "
+                         f"node's key, record it in {p} yourself")
             if not same:
                 known_hosts.append(str(p), hostname, key.get_name(), blob)
+                import sys
+
+                sys.stderr.write(f"dfo: {self.host.name}: recorded host key {_kind(key.get_name())} "
+                                 f"{fingerprint(key)} for {hostname} (in {p})\n")
             elif all(e.blob != blob for e in same):
                 raise paramiko.BadHostKeyException(hostname, key, _pkey(same[0]) or key)
         client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _kind(key_type: str) -> str:
+    from .openssh_keys import key_kind  # ssh-keygen's names (ED25519, RSA, ECDSA), as OpenSSH's transport says them
+
+    return key_kind(key_type)
 
 
 def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:
@@ -74,13 +91,25 @@ def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:
     client = paramiko.SSHClient()
     keys = client.get_host_keys()
     types: set[str] = set()
-    for e in KnownHosts.load(host.known_hosts).recorded(name):
+    dfo = KnownHosts.load(host.known_hosts)
+    for e in dfo.recorded(name) + [e for _, e in _users(host, name, dfo)]:
         key = _pkey(e)
-        if key is not None and e.key_type not in types:  # the first line per key type counts
+        if key is not None and e.key_type not in types:  # the first line per key type counts (dfo's first)
             types.add(e.key_type)
             keys.add(name, e.key_type, key)
     client.set_missing_host_key_policy(_AcceptNew(host))
     return client
+
+
+def _users(host: ResolvedHost, name: str, dfo: KnownHosts) -> list[tuple[str, Entry]]:
+    """(file, line) of the user's own known_hosts lines for ``name`` (ssh_config's UserKnownHostsFile):
+    keys the user's ssh trusts are trusted, as on the OpenSSH transport; unreadable lines skipped, as ssh
+    does; a key @revoked anywhere left out."""
+    from .openssh_keys import _lenient
+
+    out = [(f, e) for f in host.user_known_hosts for e in _lenient(f)]
+    revoked = {e.blob for e in [*dfo.entries, *(e for _, e in out)] if e.marker == "@revoked"}
+    return [(f, e) for f, e in out if e.marker is None and e.blob not in revoked and e.matches(name)]
 
 
 def _pkey(e: Entry) -> paramiko.PKey | None:
@@ -110,6 +139,14 @@ def host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, name: 
         return _revoked_error(host, name, exc.key, revoked)
     same = [e for e in kh.recorded(name) if e.key_type == exc.key.get_name()]
     where = f" ({host.known_hosts}:{same[0].lineno})" if same else ""
+    theirs = [(f, e) for f, e in _users(host, name, kh) if e.key_type == exc.key.get_name()]
+    if not same and theirs:  # the key the user's own known_hosts holds
+        where = f" ({theirs[0][0]}:{theirs[0][1].lineno})"
+        forget = f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(theirs[0][0])}"
+        return HostKeyError(
+            f"host key for {name} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
+            f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run", host=host.name,
+            hint=f"if the node was really rebuilt, forget the old key with: {forget}")
     if any(e.blob == offered for e in same[1:]):
         return HostKeyError(
             f"host key for {name}: {len(same)} {exc.key.get_name()} keys are recorded for it and the first"

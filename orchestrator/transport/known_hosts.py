@@ -14,9 +14,10 @@ OpenSSH's format (sshd(8), "SSH_KNOWN_HOSTS FILE FORMAT"): one key per line,
   ``!pattern`` negation, case-insensitive; hashed names ``|1|salt|hash`` (HMAC-SHA1).
   A host on a port other than 22 is written ``[host]:port``.
 * ``@revoked`` key: refused for every host (sshd(8): "must not ever be accepted").
-* ``@cert-authority``: dfo (paramiko) does not check host certificates, so these lines are
-  kept but play no part in matching: a host that only a CA line covers counts as unknown, and
-  its plain key is recorded on first contact, as OpenSSH does when the server offers a plain key.
+* ``@cert-authority``: kept, and never taken for a host's own key. The OpenSSH transport lets ssh
+  verify host certificates against them; where one covers a host, neither transport trusts a plain
+  key there on first use (the paramiko transport, which cannot check certificates, refuses such a
+  host unless its key was recorded by hand: hostkeys.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import hmac
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+
+KH_LOCK = threading.Lock()  # held (with flock on FILE.lock) while a key is added to dfo's known_hosts
 
 MARKERS = ("@cert-authority", "@revoked")
 

@@ -47,8 +47,8 @@ import fabric
 import paramiko
 
 from ..config.models import ResolvedHost, ssh_configuration
-from ..errors import ConnectionLost, DfoError, HostError
-from .base import Result, Transport, _Collector, _Tail
+from ..errors import AuthFailed, ConnectionLost, DfoError, HostError
+from .base import Result, Transport, _Collector, _Tail, sh_command
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 from .liveness import bounds as liveness_bounds
@@ -161,8 +161,7 @@ class _Hop(fabric.Connection):
         except paramiko.BadHostKeyException as exc:
             raise host_key_error(h, exc, name) from None
         except paramiko.AuthenticationException as exc:
-            raise HostError(f"authentication failed for {self.user or '(default user)'}@{name}: {exc}",
-                            host=h.name, hint="check user and identity in the inventory (or ~/.ssh/config)") from None
+            raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
         except TimeoutError:
             raise HostError(f"{name} did not answer within {h.connect_timeout:g}s", host=h.name,
                             hint="is the node up and the port right? (defaults.connect_timeout sets the limit)") from None
@@ -173,7 +172,11 @@ class _Hop(fabric.Connection):
                                      "take a few seconds)") from None
             raise HostError(f"{name} refused the connection", host=h.name,
                             hint="is sshd running there, and is the port right (inventory port / ~/.ssh/config Port)?") from None
-        except (OSError, paramiko.SSHException, EOFError) as exc:
+        except paramiko.SSHException as exc:
+            if str(exc) in ("No authentication methods available", "No existing session"):
+                raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
+            raise HostError(f"cannot connect to {name}: {exc}", host=h.name) from None
+        except (OSError, EOFError) as exc:
             raise HostError(f"cannot connect to {name}: {exc}", host=h.name) from None
 
     def close_path(self) -> None:
@@ -185,6 +188,46 @@ class _Hop(fabric.Connection):
             except Exception:  # noqa: BLE001 - closing a dead link
                 pass
             c = c.gateway
+
+
+def _encrypted_key(paths: list[str]) -> str | None:
+    """The first of ``paths`` that is a private key encrypted with a passphrase, else None."""
+    for path in paths:
+        try:
+            paramiko.PKey.from_path(path)
+        except paramiko.PasswordRequiredException:
+            return path
+        except TypeError as exc:  # cryptography's word for an OpenSSH-format key with a passphrase
+            if "password" in str(exc).lower():
+                return path
+        except Exception:  # noqa: BLE001 - unreadable, not a key, a type paramiko lacks: not this case
+            continue
+    return None
+
+
+def _agent_keys() -> int:
+    try:
+        return len(paramiko.Agent().get_keys())
+    except Exception:  # noqa: BLE001 - no agent, or one that does not answer
+        return 0
+
+
+def _auth_failed(h: ResolvedHost, who: str, exc: Exception) -> AuthFailed:
+    """The login was refused: why, in errors.AUTH_HINTS' terms (the same table as the OpenSSH transport's).
+    paramiko says "No authentication methods available" when it had no key to offer, and "No existing
+    session" when sshd hung up in the middle (MaxAuthTries: too many keys offered)."""
+    text = str(exc) or type(exc).__name__
+    encrypted = isinstance(exc, paramiko.PasswordRequiredException)
+    key = _encrypted_key(h.identities) if encrypted or text == "No authentication methods available" else None
+    if encrypted or key:
+        reason = "encrypted_key"
+    elif text == "No authentication methods available":
+        reason = "no_key"
+    elif text == "No existing session" and len(h.identities) + _agent_keys() > 1:
+        reason, text = "too_many_keys", "the node closed the session after too many keys were offered"
+    else:
+        reason = "refused"
+    return AuthFailed(f"authentication failed for {who}: {text}", reason=reason, host=h.name, key=key)
 
 
 class Connection(Transport):
@@ -203,7 +246,7 @@ class Connection(Transport):
         """The fabric Connection to the target: its address, port and user as resolved (the inventory
         wins), its gateway from the inventory's proxy_jump or ssh_config's ProxyJump/ProxyCommand."""
         h = self.host
-        config = ssh_configuration()  # shared, read-only here (fabric's clone() would re-read the files)
+        config = ssh_configuration(h.ssh_config)  # shared, read-only (fabric's clone() would re-read the files)
         gateway: Any = False
         if h.proxy_jump:
             gateway = _jump_chain(h.proxy_jump, config, h, 0) or False
@@ -281,7 +324,7 @@ class Connection(Transport):
         start = time.monotonic()
         try:
             chan = transport.open_session(timeout=self.host.connect_timeout)
-            chan.exec_command(command)
+            chan.exec_command(sh_command(command))  # under sh, whatever the login shell is
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise self._lost(str(exc)) from None
         try:

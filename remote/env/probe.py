@@ -1,19 +1,28 @@
 """Read-only facts about a node (python3 >= 3.8, stdlib only): ``python3 -m remote.env.probe``.
 
-Request: {"paths": {"workspace": str, "shm": str}, "venv_python": str|null, "records": [path...]}
-Data: os, kernel, cpus, memory, python, disk space per path, nvidia-smi GPUs, Triton cache,
-the JSON records asked for (e.g. the provision record) when they exist.
+Request: {"paths": {"workspace": str, "shm": str}, "venv_python": str|null, "records": [path...],
+"workspace": str|null, "provision_record": job name|null, "job_paths": {field: path},
+"installer": {"kind": "uv"|"pip", "python": str, "venv": str}|null}. Every path may start with
+``~`` or ``$HOME`` (this user's home, remote.lib.fsutil.node_path); a workspace of null is the node's
+default (remote.lib.fsutil.default_workspace).
+Data: os, kernel, cpus, memory, python, disk space per path, nvidia-smi GPUs, Triton cache, the
+JSON records asked for (e.g. the provision record) when they exist, the user and the workspace
+dfo uses, whether this user may write each of the job's paths, and what the job's installer
+needs (ensurepip, uv).
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import pwd
 import shutil
 import subprocess
 import sys
 
 from remote._proto import main
+from remote.lib.fsutil import default_workspace, home, node_path
+from remote.lib.fsutil import workspace as resolve_workspace
 from remote.lib.triton_cache import cache_dir, dir_size
 
 
@@ -43,7 +52,7 @@ def _meminfo():
 
 def disk(path):
     """Free space of the filesystem that holds ``path`` (or its nearest existing parent)."""
-    p = os.path.abspath(os.path.expanduser(path))
+    p = os.path.abspath(node_path(path))
     probe = p
     while not os.path.exists(probe) and probe != "/":
         probe = os.path.dirname(probe)
@@ -101,7 +110,7 @@ def triton_cache():
 
 
 def _record(path):
-    p = os.path.expanduser(path)
+    p = node_path(path)
     try:
         with open(p) as f:
             return json.load(f)
@@ -109,9 +118,136 @@ def _record(path):
         return None
 
 
+# --------------------------------------------------------------------------- the node's user and paths
+
+
+def user():
+    uid = os.geteuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = "uid %d" % uid
+    return {"name": name, "uid": uid, "home": home()}
+
+
+def workspace_facts(given):
+    """The workspace dfo uses here: the one given (``~`` expanded), else the node's default and why."""
+    if given:
+        return {"path": resolve_workspace(given), "given": given, "default": False, "why": None}
+    path, why = default_workspace()
+    return {"path": path, "given": None, "default": True, "why": why}
+
+
+def _owner(st):
+    try:
+        return pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        return "uid %d" % st.st_uid
+
+
+def writable(path):
+    """Whether this user may write ``path``, or create it: {"path", "ok", "exists", "blocker", "why"}.
+    ``blocker`` is the folder that stops it (the path, or its nearest existing parent). A path with a
+    ``{placeholder}`` (outputs.path's {run_id}) is judged up to the folder before it."""
+    raw = path
+    if "{" in path:
+        path = path.split("{", 1)[0]
+        path = path if path.endswith("/") else os.path.dirname(path)
+    p = os.path.abspath(node_path(path) or "/")
+    out = {"path": node_path(raw), "ok": True, "exists": os.path.lexists(p), "blocker": None, "why": None}
+    probe = p
+    while not os.path.lexists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    try:
+        st = os.stat(probe)
+    except OSError as exc:
+        out.update(ok=False, blocker=probe, why=exc.strerror or str(exc))
+        return out
+    if not os.path.isdir(probe):
+        if probe != p:
+            out.update(ok=False, blocker=probe, why="%s is a file, not a folder" % probe)
+        elif not os.access(probe, os.W_OK):
+            out.update(ok=False, blocker=probe, why="owned by %s, mode %o" % (_owner(st), st.st_mode & 0o7777))
+        return out
+    if not os.access(probe, os.W_OK | os.X_OK):
+        out.update(ok=False, blocker=probe, why="owned by %s, mode %o" % (_owner(st), st.st_mode & 0o7777))
+    return out
+
+
+# --------------------------------------------------------------------------- what the job's installer needs
+
+UV_PLACES = ("~/.local/bin/uv", "~/.cargo/bin/uv")  # where uv's own installer puts it (not on a login's PATH)
+
+
+def find_uv(venv=None):
+    """uv on PATH, else where uv's installer puts it, else the venv's own; None without one."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    for p in list(UV_PLACES) + ([venv.rstrip("/") + "/bin/uv"] if venv else []):
+        p = node_path(p)
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def interpreter(python):
+    """The executable ``python`` names here (a path, or a name on PATH), or None."""
+    py = node_path(python or "python3")
+    if os.path.isabs(py):
+        return py if os.access(py, os.X_OK) else None
+    return shutil.which(py)
+
+
+def ensurepip(exe):
+    """{"ok": bool, "package": "python3.X-venv", "version": "3.X.Y", "error": str|None} for interpreter
+    ``exe``: does ``EXE -m ensurepip --version`` work (what ``EXE -m venv`` needs to give a venv pip)?
+    Debian and Ubuntu ship ensurepip apart, in python3.X-venv (the python3-venv package pulls it in)."""
+    version = platform.python_version() if os.path.realpath(exe) == os.path.realpath(sys.executable) else None
+    if version is None:
+        try:
+            r = subprocess.run([exe, "-V"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
+                               universal_newlines=True, cwd="/")
+            version = (r.stdout.split() or ["", "?"])[-1] if r.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            version = None
+    xy = ".".join((version or "").split(".")[:2])
+    out = {"ok": False, "version": version, "package": "python%s-venv" % xy if xy else "python3-venv", "error": None}
+    try:
+        r = subprocess.run([exe, "-m", "ensurepip", "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=60, universal_newlines=True, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out["error"] = str(exc)
+        return out
+    out["ok"] = r.returncode == 0
+    if not out["ok"]:
+        out["error"] = " | ".join(ln.strip() for ln in r.stdout.strip().splitlines()[-2:])[-300:]
+    return out
+
+
+def installer_needs(job):
+    """What the job's provision will need here: a venv made with ``PY -m venv`` needs ensurepip (an
+    existing venv needs nothing); installer uv makes it with uv when the node has one, and needs
+    ensurepip only to bootstrap uv with pip when it has none."""
+    kind, venv = job.get("kind") or "pip", node_path(job.get("venv") or "")
+    exe = interpreter(job.get("python"))
+    has_venv = bool(venv) and os.path.isfile(os.path.join(venv, "pyvenv.cfg"))
+    uv = find_uv(venv) if kind == "uv" else None
+    out = {"kind": kind, "python": job.get("python"), "executable": exe, "venv_exists": has_venv, "uv": uv,
+           "needs_ensurepip": not has_venv and not (kind == "uv" and uv), "ensurepip": None}
+    if exe and out["needs_ensurepip"]:
+        out["ensurepip"] = ensurepip(exe)
+    return out
+
+
 def handle(req):
-    paths = req.get("paths") or {}
+    ws = workspace_facts(req.get("workspace"))
+    paths = dict({"workspace": ws["path"]}, **(req.get("paths") or {}))
     venv_python = req.get("venv_python")
+    records = {p: _record(p) for p in req.get("records") or []}
+    job = req.get("provision_record")
+    if job:
+        records["provision"] = _record(os.path.join(ws["path"], ".dfo", "provision", "%s.json" % job))
     return {
         "hostname": platform.node(),
         "os": _os_release(),
@@ -124,9 +260,14 @@ def handle(req):
         "disk": {name: disk(p) for name, p in paths.items()},
         "nvidia": nvidia(),
         "triton_cache": triton_cache(),
-        "venv_python": venv_python,
-        "venv_python_exists": bool(venv_python) and os.access(os.path.expanduser(venv_python), os.X_OK),
-        "records": {p: _record(p) for p in req.get("records") or []},
+        "venv_python": node_path(venv_python),
+        "venv_python_exists": bool(venv_python) and os.access(node_path(venv_python), os.X_OK),
+        "records": records,
+        "user": user(),
+        "workspace": ws,
+        "job_paths": {field: writable(p or (ws["path"] if field == "workspace" else ""))
+                      for field, p in (req.get("job_paths") or {}).items() if p or field == "workspace"},
+        "installer": installer_needs(req["installer"]) if req.get("installer") else None,
     }
 
 

@@ -5,10 +5,12 @@ Runs with the node's python3 (stdlib only). Steps, each check -> act -> verify, 
 ``failed``:
 
 1. ``workspace``: the workspace, ``<workspace>/.dfo/provision`` and the job's run directories;
-2. ``venv``: ``uv venv --python PY`` when the job's installer is uv and the node has uv,
-   else ``PY -m venv`` (uv is then installed into it by step 3);
-3. ``installer``: uv (the node's on PATH, else the venv's, else ``pip install uv`` into the
-   venv) or pip (the venv's; ``ensurepip`` when missing);
+2. ``venv``: ``uv venv --python PY`` when the job's installer is uv and the node has uv (on PATH,
+   or in ~/.local/bin or ~/.cargo/bin, where uv's installer puts it: no ensurepip needed), else
+   ``PY -m venv`` (uv is then installed into it by step 3); ``PY -m venv`` needs ensurepip (Debian:
+   python3.X-venv), and a node without it is told so before anything is made;
+3. ``installer``: uv (the node's, else the venv's, else ``pip install uv`` into the venv) or pip
+   (the venv's; ``ensurepip`` when missing);
 4. one step per package line, in order. Check: the venv's interpreter, in a fresh process
    (remote.env.pkgcheck), says the line and every earlier line hold and the environment is
    consistent -> ``no change``, no installer call. Act: install the line together with the
@@ -64,8 +66,10 @@ from remote.env.installers import (
     venv_state,
     write_json,
 )
+from remote.env.probe import ensurepip, find_uv, interpreter
 from remote.lib.destsafety import open_meta
-from remote.lib.fsutil import human_bytes
+from remote.lib.fsutil import human_bytes, node_path
+from remote.lib.fsutil import workspace as fsutil_workspace
 from remote.lib.redact import redact, redact_obj
 
 HISTORY = 10  # earlier runs kept in the record (started, ok, installed, changed, error)
@@ -75,7 +79,7 @@ class Provision:
     def __init__(self, req: dict) -> None:
         job = req["job"]
         self.req, self.job, self.name = req, job, job["name"]
-        self.venv = job["venv"].rstrip("/") or "/"
+        self.venv = node_path(job["venv"]).rstrip("/") or "/"  # ~ and $HOME: this user's home
         self.vpy = self.venv + "/bin/python"
         self.lines = list(job.get("packages") or [])
         self.overrides = list(job.get("overrides") or [])
@@ -84,7 +88,7 @@ class Provision:
         self.effs = [self.okeys[self.keys[i]]["package"] if self.keys[i] in self.okeys else self.lines[i]
                      for i in range(len(self.lines))]
         self.timeout = float(req.get("install_timeout") or 3600)
-        self.workspace = req["workspace"].rstrip("/") or "/"
+        self.workspace = fsutil_workspace(req.get("workspace"))  # none given: the node's default
         self.record_dir = self.workspace + "/.dfo/provision"
         self.record_path = None  # type: str | None
         self.steps, self.installs, self.changed = [], [], []  # type: list, list, list
@@ -132,7 +136,8 @@ class Provision:
 
     # ------------------------------------------------------------------ steps
     def step_workspace(self) -> dict:
-        dirs = [self.workspace, self.workspace + "/.dfo", self.record_dir] + list(self.req.get("dirs") or [])
+        dirs = [self.workspace, self.workspace + "/.dfo", self.record_dir] + [
+            node_path(d) for d in self.req.get("dirs") or []]
         created = []
         for d in dirs:
             if d == self.workspace + "/.dfo":  # no symlink, this user's, nobody else may write it (made 0700)
@@ -166,17 +171,28 @@ class Provision:
             raise StepFailed("%s exists and is not a venv (no pyvenv.cfg or bin/python)" % self.venv,
                              hint="remove it, or set venv: in the job file to another path")
         py = self.job.get("python") or "python3"
-        exe = py if os.path.isabs(py) and os.access(py, os.X_OK) else shutil.which(py)
+        exe = interpreter(py)
         if not exe:
             raise StepFailed("the job's python %r is not on the node (PATH=%s)" % (py, os.environ.get("PATH", "")),
                              hint="install it there, or set python: in the job file to one the node has (python3)")
-        uv = shutil.which("uv") if self.job.get("installer") == "uv" else None
+        uv = find_uv() if self.job.get("installer") == "uv" else None
+        if not uv:  # `python -m venv` gives the venv its pip with ensurepip: say what is missing before it fails
+            ep = ensurepip(exe)
+            if not ep["ok"]:
+                fix = "install %s on the node (sudo apt install %s)" % (ep["package"], ep["package"])
+                if self.job.get("installer") == "uv":
+                    raise StepFailed("installer: uv, but the node has no uv (PATH, ~/.local/bin, ~/.cargo/bin), and "
+                                     "%s has no ensurepip to make a venv that pip could install uv into" % exe,
+                                     hint="install uv on the node (its installer puts it in ~/.local/bin), or " + fix)
+                raise StepFailed("cannot create the venv %s: `%s -m venv` needs ensurepip, and %s (python %s) has none"
+                                 % (self.venv, py, exe, ep["version"] or "?"),
+                                 hint=fix + ", or use installer: uv with uv on the node")
         argv = [uv, "venv", "--python", exe, self.venv] if uv else [exe, "-m", "venv", self.venv]
         code, out = run_tool(argv, timeout=600)
         if code != 0 or not os.access(self.vpy, os.X_OK):
             shutil.rmtree(self.venv, ignore_errors=True)  # it did not exist before: leave nothing half-made
             raise StepFailed("creating the venv failed (%s, exit %d): %s" % (" ".join(argv), code, tail(out, 600)),
-                             hint="on Debian/Ubuntu, python3 -m venv needs the python3-venv package")
+                             hint="on Debian/Ubuntu, python3 -m venv needs the python3.X-venv package")
         return {"status": "done", "message": "created %s with %s (python %s)" % (self.venv, argv[0], _cfg_version(cfg)),
                 "command": " ".join(argv)}
 
@@ -200,7 +216,7 @@ class Provision:
                                  hint="use installer: uv, or install pip into the venv")
             self.installer_info["version"] = have
             return {"status": "done", "message": "installed pip %s with ensurepip" % have}
-        found = shutil.which("uv") or (self.venv + "/bin/uv" if os.access(self.venv + "/bin/uv", os.X_OK) else None)
+        found = find_uv(self.venv)  # PATH, ~/.local/bin, ~/.cargo/bin, the venv's own
         status, message = "no change", ""
         if found is None:
             if "pip" not in self.before:

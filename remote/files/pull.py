@@ -19,7 +19,7 @@ import stat
 from typing import Dict, List, TypedDict
 
 from remote._proto import RemoteError, emit_event, serve
-from remote.lib.fsutil import FILE_FLAGS
+from remote.lib.fsutil import FILE_FLAGS, node_path
 
 CHUNK = 1 << 20
 
@@ -67,7 +67,7 @@ def _skip(name):
 
 
 def op_list(req: ListRequest):
-    root = os.path.expanduser(req["root"])
+    root = node_path(req["root"])
     if not os.path.isdir(root):
         raise RemoteError("usage", "pull: %s is not a folder on the node" % root)
     starts = []
@@ -112,7 +112,7 @@ def op_list(req: ListRequest):
 
 
 def op_send(req: SendRequest):
-    root = os.path.expanduser(req["root"])
+    root = node_path(req["root"])
     sent = 0
     for i, f in enumerate(req.get("files") or []):
         rel = f["path"]

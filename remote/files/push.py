@@ -44,7 +44,8 @@ from typing import Any, Dict, List, Optional, TypedDict
 
 from remote._proto import RemoteError, payload, serve
 from remote.lib.destsafety import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
-from remote.lib.fsutil import FILE_FLAGS, write_atomic
+from remote.lib.fsutil import FILE_FLAGS, node_path, write_atomic
+from remote.lib.fsutil import workspace as fsutil_workspace
 
 # --------------------------------------------------------------------------- requests and replies
 # The request is the first line of stdin; push's and sync's file bytes follow it (the payload).
@@ -128,7 +129,7 @@ def check_rel(rel):
 
 def check_code_dest(dest):
     """The real path of DEST, or a RemoteError "config" naming why it is refused."""
-    path = os.path.expanduser(dest)
+    path = node_path(dest)  # ~ and $HOME: this user's home
     if not path.startswith("/"):
         refuse(FIELD, "%s is not an absolute path on the node" % dest, "for example /root/code or /workspace/code")
     if any(p.startswith(".dfo") for p in path.split("/") if p):
@@ -239,7 +240,7 @@ def _save_manifest(meta_fd, files, owner=None):
 
 
 def _runs_root(workspace):
-    return os.path.join(workspace or "/workspace", ".dfo", "runs")  # as remote.runs.ops.runs_root
+    return os.path.join(fsutil_workspace(workspace), ".dfo", "runs")  # as remote.runs.ops.runs_root
 
 
 def _foreign(owner, rows, req):
@@ -266,7 +267,7 @@ def _refuse_if_live(real, owner, req):
         for _, rid, d in rec.list_runs(_runs_root(req.get("workspace"))):
             state, meta, _end = rec.run_state(d)
             if state == "running" and (meta or {}).get("job") != job \
-                    and os.path.realpath(os.path.expanduser(str((meta or {}).get("workdir") or ""))) == real:
+                    and os.path.realpath(node_path(str((meta or {}).get("workdir") or ""))) == real:
                 live, other = [(rid, d)], (meta or {}).get("job")
                 break
     if not live:

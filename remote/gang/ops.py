@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Set, TypedDict
 
 from remote._proto import serve
 from remote.gang.door import ACCEPT_LATER, _abort, _ip, _peer_ip, _Pending, bind_address, listen_socket
+from remote.lib.fsutil import node_path, workspace
 
 # --------------------------------------------------------------------------- requests and replies
 # python3 -m remote.gang reads one JSON object, {"op": NAME, ...}; the module docstring says what each does.
@@ -156,9 +157,10 @@ def gpu_count(proc="/proc/driver/nvidia/gpus"):
 
 
 def facts(req: FactsRequest):
-    out = {"provision": provision_facts(req["workspace"], req["job"]), "manifests": {}, "gpus": gpu_count()}
+    out = {"provision": provision_facts(workspace(req.get("workspace")), req["job"]), "manifests": {},
+           "gpus": gpu_count()}
     for kind, dest in sorted((req.get("manifests") or {}).items()):
-        out["manifests"][kind] = manifest_facts(dest) if dest else None
+        out["manifests"][kind] = manifest_facts(node_path(dest)) if dest else None
     return out
 
 

@@ -28,6 +28,7 @@ import stat
 import threading
 
 from remote._proto import RemoteError
+from remote.lib.fsutil import node_path
 
 META_DIR = ".dfo"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -57,7 +58,7 @@ def _holds(outer, inner):
 
 
 def _real(path):
-    return os.path.realpath(os.path.expanduser(path)) if path else None
+    return os.path.realpath(node_path(path)) if path else None
 
 
 def _lstat(path):

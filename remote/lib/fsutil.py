@@ -82,3 +82,50 @@ def human_bytes(n: float) -> str:
             return "%d %s" % (n, unit) if unit == "B" else "%.*f %s" % (2 if unit == "GiB" else 1, n, unit)
         n /= 1024.0
     return "%.2f TiB" % n
+
+
+# --------------------------------------------------------------------------- node paths
+
+DEFAULT_WORKSPACE = "/workspace"
+_HOME_PREFIXES = ("~", "${HOME}", "$HOME")
+
+
+def home():
+    """The node user's home: $HOME, else the password database's (as ``~`` in a shell)."""
+    return os.path.expanduser("~")
+
+
+def node_path(path):
+    """A path of a job or inventory as this node means it: ``~``, ``$HOME`` and ``${HOME}`` at its start
+    (alone or before a ``/``) are the node user's home; any other path is returned as it is. Every
+    remote module expands the paths of its request with this, once, where it reads them (the
+    controller never expands them: the laptop's home is not the node's)."""
+    if not path:
+        return path
+    for pre in _HOME_PREFIXES:
+        if path == pre or path.startswith(pre + "/"):
+            h = home().rstrip("/")
+            return (h + path[len(pre):]) or "/"
+    return path
+
+
+def default_workspace():
+    """(path, why): /workspace when this user can write it, or create it (root, usually); else
+    ~/workspace (a user like ubuntu, for whom /workspace is root's or cannot be made)."""
+    ws = DEFAULT_WORKSPACE
+    if os.path.isdir(ws):
+        if os.access(ws, os.W_OK | os.X_OK):
+            return ws, "%s is writable" % ws
+        why = "%s is not writable by this user" % ws
+    elif os.path.lexists(ws):
+        why = "%s is not a folder" % ws
+    elif os.access(os.path.dirname(ws), os.W_OK | os.X_OK):
+        return ws, "%s can be created" % ws
+    else:
+        why = "%s does not exist and this user cannot create it" % ws
+    return os.path.join(home(), "workspace"), why
+
+
+def workspace(path=None):
+    """The workspace a request names (expanded with node_path), else the node's default one."""
+    return node_path(path).rstrip("/") or "/" if path else default_workspace()[0]

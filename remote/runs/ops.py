@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, TypedDict, Union
 
 from remote._proto import RemoteError, emit_event, serve
 from remote.files.runfiles import sync_uploads
+from remote.lib import fsutil
 from remote.lib.destsafety import open_meta
 from remote.lib.redact import is_secret, redact
 from remote.runs import outputs
@@ -164,7 +165,12 @@ _DROP_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "SSH_CLIENT", "SSH_CONNECT
 
 
 def runs_root(req):
-    return os.path.join(req.get("workspace") or "/workspace", ".dfo", "runs")
+    return os.path.join(workspace_of(req), ".dfo", "runs")
+
+
+def workspace_of(req):
+    """The request's workspace (``~`` expanded here), else this node's default one (remote.lib.fsutil)."""
+    return fsutil.workspace(req.get("workspace"))
 
 
 # --------------------------------------------------------------------------- state of a run
@@ -225,7 +231,8 @@ def describe(run_id, run_dir, tail=0, state=None):
 
 def trainer_env(req, run_id, run_dir):
     env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
-    shown = {"PYTHONUNBUFFERED": "1", "DFO_RUN_ID": run_id, "DFO_RUN_DIR": run_dir, "DFO_AGENT_DIR": AGENT_DIR}
+    shown = {"PYTHONUNBUFFERED": "1", "DFO_RUN_ID": run_id, "DFO_RUN_DIR": run_dir, "DFO_AGENT_DIR": AGENT_DIR,
+             "DFO_WORKSPACE": workspace_of(req)}  # run.command's {workspace} when the node chose it
     shown.update(req.get("env") or {})
     if req.get("autotune_guard"):
         # only the guard's folder: the sitecustomize loads the guard by file path, so nothing named
@@ -248,9 +255,19 @@ def launch(req: LaunchRequest):
     run_id, job = req["run_id"], req["job"]
     if not _RUN_ID.match(run_id):
         raise RemoteError("usage", "bad run id %r" % run_id)
+    # node paths: ~ and $HOME are this user's home (remote.lib.fsutil.node_path), expanded once, here
+    req = req.copy()
+    req["workspace"], req["workdir"] = workspace_of(req), fsutil.node_path(req["workdir"])
+    if isinstance(req.get("outputs"), dict):
+        req["outputs"] = dict(req["outputs"], path=fsutil.node_path(req["outputs"].get("path")))
     root = runs_root(req)
-    workspace = req.get("workspace") or "/workspace"
-    os.makedirs(workspace, exist_ok=True)
+    workspace = req["workspace"]
+    try:
+        os.makedirs(workspace, exist_ok=True)
+    except OSError as exc:
+        raise RemoteError("config", "workspace %s: %s" % (workspace, exc.strerror),
+                          hint="set workspace: (inventory or job) to a folder this user may write, e.g. ~/workspace"
+                          ) from None
     os.close(open_meta(workspace, "workspace"))  # its .dfo: no symlink, this user's, nobody else may write it
     os.makedirs(root, exist_ok=True)
     lock = open(os.path.join(root, ".launch.lock"), "a")

@@ -142,6 +142,10 @@ def op_ship(req, resolve):
             alive = shipper_alive(run_dir)[1]
         # the shipper ended meanwhile (the run's last pass, or it died): make the pass here
     spec = req.get("outputs") or spec_of(meta)
+    if spec and spec.get("path"):  # ~ and $HOME: this user's home (a job's spec; a run's meta holds it expanded)
+        from remote.lib.fsutil import node_path
+
+        spec = dict(spec, path=node_path(spec["path"]))
     if not spec or not spec.get("dest"):
         raise RemoteError("config", "run %s ships no outputs (no outputs.dest in its job)" % run_id,
                           hint="set outputs.dest in the job file; dfo pull fetches files without S3")

@@ -31,6 +31,7 @@ import time
 
 from remote._proto import RemoteError, emit_event, main
 from remote.lib.destsafety import META_DIR, Tree, check_dest, open_dest
+from remote.lib.fsutil import node_path, workspace
 from remote.s3.client import S3Client, S3Error, split_s3_url
 from remote.s3.download import Engine, Obj, describe_failure, free_bytes, human
 from remote.s3.manifest import Manifest
@@ -133,7 +134,7 @@ class Signals:
 
 
 def resolve_dest(dest, field):
-    dest = os.path.expanduser(dest or "")
+    dest = node_path(dest or "")  # ~ and $HOME: this user's home
     if not os.path.isabs(dest):
         raise RemoteError("config", "%s must be an absolute path on the node, got %r" % (field, dest))
     return os.path.normpath(dest)
@@ -143,7 +144,7 @@ def checked_dest(req, what):
     """The request's dest, normalised, and its real path once ``remote.lib.destsafety`` accepts it (else exit 2)."""
     field = req.get("dest_field") or "%s.dest" % what
     dest = resolve_dest(req.get("dest"), field)
-    return dest, check_dest(dest, field, req.get("workspace"), req.get("venv"))
+    return dest, check_dest(dest, field, workspace(req.get("workspace")), req.get("venv"))
 
 
 def open_manifest(dest, source, field="dest"):

@@ -1,0 +1,269 @@
+"""The OpenSSH transport: every remote call is one run of the ``ssh`` client (OpenSSH >= 8.0).
+
+What ssh is told, and why, is in openssh_setup.py (the one commented place for its options). Here:
+
+* one ``ssh`` process per call, over a shared connection (ControlMaster) that outlives the call and dfo
+  itself for ``defaults.ssh_persist`` seconds; a master that does not answer is passed over
+  (openssh_setup.master_answers) and a call whose master failed before its session opened is made
+  again over a fresh connection, once;
+* the command runs under ``sh`` whatever the login shell (transport.sh_command), in a subshell after
+  which sh writes an exit marker on stderr: ssh's own exit 255 (it could not connect, or the
+  connection died) is never taken for the command's, and a command whose leftover child holds the
+  output open ends AFTER_EXIT_S after its shell did (as the paramiko transport does);
+* stdout goes through transport._Collector (streaming on_line, bounded), stderr through _Tail;
+  stdin bytes are written by a thread and closed (secrets travel there, never in argv);
+* ssh's failures become dfo's errors (openssh_errors.py): a changed, revoked or unverifiable host key
+  is HostKeyError naming the hop, a dead link ConnectionLost, the rest HostError (all exit 4);
+* host keys: ssh records a new host's key in this connection's own file first; after each call dfo
+  moves it into its known_hosts under the same locks as the paramiko transport, once per key, and
+  says so on stderr (``dfo: HOST: recorded host key ED25519 SHA256:... for LABEL``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from ..config.models import ResolvedHost
+from ..errors import HostError
+from . import openssh_keys as keys
+from . import openssh_setup as setup
+from .base import Result, Transport, _Collector, _Tail, sh_command
+from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
+
+AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
+SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
+
+
+class _ErrScan:
+    """stderr into a _Tail, with the exit marker (transport.sh_command) taken out and remembered."""
+
+    def __init__(self, marker: str) -> None:
+        self.rx = re.compile(rb"\x1edfo-exit:" + marker.encode() + rb":(\d+)\x1e")
+        self.longest = len(marker) + 24
+        self.tail = _Tail()
+        self.carry = b""
+        self.code: int | None = None
+
+    def feed(self, data: bytes) -> None:
+        buf = self.carry + data
+        m = self.rx.search(buf)
+        if m is not None:
+            self.code = int(m.group(1))
+            buf = buf[:m.start()] + buf[m.end():]
+        cut = buf.rfind(b"\x1e", max(0, len(buf) - self.longest))
+        if cut >= 0 and self.code is None:
+            self.carry, buf = buf[cut:], buf[:cut]
+        else:
+            self.carry = b""
+        self.tail.feed(buf)
+
+    def text(self) -> str:
+        if self.carry:
+            self.tail.feed(self.carry)
+            self.carry = b""
+        return self.tail.text()
+
+
+class OpenSSH(Transport):
+    """One host through the ``ssh`` client; calls share one connection (ControlMaster)."""
+
+    def __init__(self, host: ResolvedHost) -> None:
+        self.host = host
+        self.name = host.name
+        self._lock = threading.Lock()
+        self._prep: keys.Prepared | None = None
+        self._said_dead_master = False
+        self._pass_over = False  # the user's own master does not answer: this transport no longer uses it
+
+    # ---------------------------------------------------------------- set-up
+    def _prepared(self) -> keys.Prepared:
+        with self._lock:
+            if self._prep is None:
+                self._prep = keys.prepare(self.host)
+            return self._prep
+
+    def close(self) -> None:
+        with self._lock:
+            prep, self._prep = self._prep, None
+        if prep is not None:
+            try:
+                keys.merge_new_keys(self.host, prep)
+            finally:
+                shutil.rmtree(prep.folder, ignore_errors=True)
+
+    def _argv(self, prep: keys.Prepared, remote: str, fresh: bool) -> list[str]:
+        argv = [prep.ssh, "-F", str(prep.config), "-T"]
+        for o in self.host.ssh_options:
+            argv += ["-o", o]
+        if prep.target_strict:
+            argv += ["-o", "StrictHostKeyChecking=yes"]
+        if fresh:
+            argv += ["-o", "ControlMaster=no", "-o", "ControlPath=none"]
+        elif prep.own_control and prep.control is not None:
+            persist = max(1, round(self.host.ssh_persist))
+            argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={setup.q(setup.pct(str(prep.control)))}",
+                     "-o", f"ControlPersist={persist}s"]
+        return [*argv, "--", self.host.alias or self.host.hostname, remote]
+
+    def _fresh(self, prep: keys.Prepared) -> bool:
+        """Whether this call must pass the shared connection over: a master sits on the control path
+        but does not answer (stopped, hung). dfo's own socket is removed instead (this call then makes a
+        new master); a user's master is left alone and this transport stops using it."""
+        if self._pass_over:
+            return True
+        if prep.control is None or setup.master_answers(str(prep.control)) is not False:
+            return False
+        if not self._said_dead_master:
+            self._said_dead_master = True
+            sys.stderr.write(f"dfo: {self.name}: the shared ssh connection at {prep.control} does not answer; "
+                             "using a fresh connection\n")
+        if prep.own_control:
+            try:
+                os.unlink(prep.control)
+            except OSError:
+                pass
+            return False
+        self._pass_over = True
+        return True
+
+    # ---------------------------------------------------------------- run
+    def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
+            on_line: Callable[[str], object] | None = None) -> Result:
+        """Run ``command`` (a shell string, built with shlex.quote) and wait, at most ``timeout`` s."""
+        limit = timeout if timeout is not None else self.host.command_timeout
+        start = time.monotonic()
+        prep = self._prepared()
+        payload = stdin.encode() if isinstance(stdin, str) else stdin
+        fresh = self._fresh(prep)
+        while True:
+            result = self._once(prep, command, start, limit, payload, on_line, fresh)
+            if result is not None:
+                return result
+            fresh = True  # the master failed before the session opened: once more, on a connection of its own
+
+    def _once(self, prep: keys.Prepared, command: str, start: float, limit: float, payload: bytes | None,
+              on_line: Callable[[str], object] | None, fresh: bool) -> Result | None:
+        marker = secrets.token_hex(8)
+        argv = self._argv(prep, sh_command(command, marker), fresh)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        if payload is not None:
+            assert proc.stdin is not None
+            threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True,
+                             name=f"dfo-stdin-{self.name}").start()
+        out, err = _Collector(on_line, host=self.name), _ErrScan(marker)
+        ofd, efd = proc.stdout.fileno(), proc.stderr.fileno()
+        open_fds = {ofd, efd}
+        got_output = False
+        ended: float | None = None  # when the command's shell ended (marker) or ssh exited
+        try:
+            while True:
+                now = time.monotonic()
+                if now - start > limit:
+                    raise HostError(f"remote command did not finish within {limit:g}s", host=self.name,
+                                    hint="the node may be overloaded or the link dead; retry, or raise the timeout")
+                ready = select.select(list(open_fds), [], [], SLICE_S)[0] if open_fds else []
+                if not open_fds:
+                    time.sleep(0.02)
+                got = False
+                for fd in ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        open_fds.discard(fd)
+                    elif fd == ofd:
+                        out.feed(chunk)
+                        got = got_output = True
+                    else:
+                        err.feed(chunk)
+                        got = True
+                exited = proc.poll() is not None
+                if ended is None and (err.code is not None or exited):
+                    ended = time.monotonic()
+                if ended is None:
+                    continue
+                if ofd not in open_fds and exited:
+                    break  # everything ssh wrote is read (stderr is drained below)
+                if got:
+                    ended = time.monotonic()
+                elif time.monotonic() - ended > AFTER_EXIT_S:
+                    break  # a process the command left behind holds the output open
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+            _drain(efd, open_fds, err)
+            for f in (proc.stdout, proc.stderr):
+                f.close()
+        out.flush()
+        keys.merge_new_keys(self.host, prep)
+        code = proc.returncode
+        if err.code is not None:
+            return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
+        text = err.text()
+        if code != 255:
+            return Result(self.name, command, out.text(), text, code, time.monotonic() - start)
+        if not fresh and not got_output and (mux_failed_before_session(text) or self._hop_unseen(text)):
+            return None
+        raise classify(self.host, prep, text)
+
+
+    def _hop_unseen(self, text: str) -> bool:
+        """The path through a jump host failed before the target's ssh session began, and ssh said no
+        more: with ControlPersist, ssh sends its ProxyCommand's stderr (the jump's own ssh, which says
+        why: a changed key, a refused login) to /dev/null. Made again without sharing, it says why."""
+        return bool(self.host.proxy_jump or self.host.proxy_command) and (
+            "kex_exchange_identification" in text or "Connection closed by UNKNOWN" in text)
+
+
+def _feed(pipe: object, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        for i in range(0, len(view), 1 << 20):
+            pipe.write(view[i:i + (1 << 20)])  # type: ignore[attr-defined]
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+    try:
+        pipe.close()  # type: ignore[attr-defined]
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End an ssh client: SIGTERM (a mux client closes its session on the master), then SIGKILL."""
+    try:
+        proc.terminate()
+        proc.wait(2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(2)
+        except subprocess.TimeoutExpired:
+            pass
+    except OSError:
+        pass
+
+
+def _drain(fd: int, open_fds: set[int], err: _ErrScan) -> None:
+    """What ssh wrote on stderr before it ended (a child of ssh, a ProxyCommand, may hold the pipe open)."""
+    while fd in open_fds:
+        if not select.select([fd], [], [], 0.05)[0]:
+            return
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        err.feed(chunk)
+
+
+__all__ = ["LOST_HINT", "OpenSSH"]

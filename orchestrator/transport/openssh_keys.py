@@ -1,0 +1,219 @@
+"""Host keys on the OpenSSH transport: the same promises as the paramiko transport's (hostkeys.py).
+
+* dfo's known_hosts is read strictly before ssh runs (known_hosts.KnownHosts: a damaged line is exit
+  2, never skipped), and ssh looks keys up in, in order: this connection's own new-keys file, dfo's
+  known_hosts, then the user's own files (ssh -G's UserKnownHostsFile), so a key the user's ssh
+  already trusts is trusted, and a key found in none of them is new.
+* A new key (accept-new) is written by ssh to the new-keys file, on every hop; ``merge_new_keys`` then
+  appends it to dfo's known_hosts under the paramiko transport's locks (a thread lock and flock on
+  known_hosts.lock): each key once however many dfo processes meet the host at the same time, a
+  key that another process recorded differently meanwhile is a changed key (HostKeyError). Each
+  recorded key is said on stderr.
+* ``@cert-authority``: OpenSSH checks host certificates. Where a CA line (in dfo's file or the
+  user's) covers a host, that host must show a certificate from it or a key recorded by hand:
+  StrictHostKeyChecking yes for the target (-o) and for each hop so covered (a ``Host`` block of
+  this connection's config). ``@revoked`` lines are honoured by ssh in every file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config.models import ResolvedHost
+from ..errors import ConfigError, HostKeyError
+from . import known_hosts
+from . import openssh_setup as setup
+from .known_hosts import KH_LOCK as _KH_LOCK
+from .known_hosts import Entry, KnownHosts, parse_line
+
+_TYPES = {"ssh-ed25519": "ED25519", "ssh-rsa": "RSA", "ssh-dss": "DSA", "sk-ssh-ed25519@openssh.com": "ED25519-SK",
+          "sk-ecdsa-sha2-nistp256@openssh.com": "ECDSA-SK"}
+
+
+def key_kind(key_type: str) -> str:
+    """ssh-keygen's name for a key type: ED25519, RSA, ECDSA..."""
+    return _TYPES.get(key_type) or ("ECDSA" if key_type.startswith("ecdsa-") else key_type.upper())
+
+
+def fingerprint(blob: bytes) -> str:
+    import base64
+    import hashlib
+
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+@dataclass
+class Prepared:
+    """One OpenSSH connection's set-up (made once per transport, at its first call)."""
+
+    ssh: str
+    folder: Path  # this connection's own 0700 folder: its config and new-keys file
+    config: Path
+    new_keys: Path
+    control: Path | None  # the ControlPath in use (dfo's or the user's), None: no sharing
+    own_control: bool  # dfo's ControlPath (True) or the user's ssh_config's (False)
+    target_strict: bool  # a @cert-authority line covers the target
+    ca: list[tuple[str, Entry]] = field(default_factory=list)  # (file, line) of every CA line
+    strict_hops: list[str] = field(default_factory=list)
+
+
+def _lenient(path: str) -> list[Entry]:
+    """The lines of a known_hosts file that is not dfo's (the user's): unreadable lines skipped, as ssh does."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError:
+        return []
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        got = parse_line(line)
+        if got is not None and not isinstance(got, str):
+            out.append(Entry(n, *got))
+    return out
+
+
+def _files(host: ResolvedHost, key: str) -> list[str]:
+    return [f for v in host.ssh_resolved.get(key, []) for f in v.split() if f.lower() != "none"]
+
+
+def ca_lines(host: ResolvedHost, dfo: KnownHosts) -> list[tuple[str, Entry]]:
+    out = [(host.known_hosts, e) for e in dfo.entries if e.marker == "@cert-authority"]
+    for f in _files(host, "userknownhostsfile") + _files(host, "globalknownhostsfile"):
+        out += [(f, e) for e in _lenient(f) if e.marker == "@cert-authority"]
+    return out
+
+
+def covering(ca: list[tuple[str, Entry]], hostname: str, port: int) -> tuple[str, Entry] | None:
+    """The first CA line that covers this host (by name, or [name]:port), if any."""
+    names = {hostname, setup.label(hostname, port)}
+    return next(((f, e) for f, e in ca if any(e.matches(n) for n in names)), None)
+
+
+def _strict_hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]) -> list[str]:
+    """The names (as ssh gets them) of the ProxyJump hops a CA line covers; each resolved with ssh -G."""
+    out: list[str] = []
+    spec, seen = host.proxy_jump, 0
+    while spec and seen < setup.MAX_HOPS:
+        hops = setup.jump_hops(spec)
+        spec = None
+        for i, (user, name, port) in enumerate(hops):
+            seen += 1
+            opts = ([f"User={setup.q(user)}"] if user else []) + ([f"Port={port}"] if port else [])
+            got = setup.ssh_g(ssh, Path(host.ssh_resolve or ""), name, opts, host.ssh_config or "ssh_config")
+            hostname = (got.get("hostname") or [name])[0]
+            if covering(ca, hostname, int((got.get("port") or ["22"])[0])):
+                out.append(name)
+            if i == 0:  # the first hop's own ProxyJump (ssh follows it)
+                own = (got.get("proxyjump") or [""])[0]
+                spec = own if own and own.lower() != "none" else None
+    return out
+
+
+def _clean_stale(base: Path) -> None:
+    """Remove the connection folders of dfo processes that are gone (killed before close()), and the
+    resolution configs no dfo has used for a week (openssh_setup.write_config touches them on use)."""
+    import time
+
+    for p in base.glob("resolve-*.conf"):
+        try:
+            if time.time() - p.stat().st_mtime > 7 * 86400:
+                p.unlink()
+        except OSError:
+            pass
+    for p in base.glob("c-*-*"):
+        try:
+            pid = int(p.name.split("-")[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError, IndexError):
+            pass
+
+
+def prepare(host: ResolvedHost) -> Prepared:
+    ssh = setup.usable_ssh()
+    if ssh is None or host.ssh_resolve is None:
+        raise ConfigError("transport: openssh needs an OpenSSH client (ssh 8.0 or newer) on PATH",
+                          host=host.name, hint="install one (openssh-client), or set transport: paramiko")
+    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
+    ca = ca_lines(host, dfo)
+    target_strict = covering(ca, host.hostname, host.port) is not None
+    strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
+    base = setup.state_dir()
+    _clean_stale(base)
+    folder = base / f"c-{os.getpid()}-{secrets.token_hex(4)}"
+    folder.mkdir(mode=0o700)
+    new_keys = folder / "new_keys"
+    new_keys.touch(mode=0o600)
+    Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files = [str(new_keys), host.known_hosts, *_files(host, "userknownhostsfile")]
+    lines = ["# dfo: the settings of one connection to " + host.name.replace("\n", " ")
+             + " (orchestrator/transport/openssh_keys.py); removed when it closes"]
+    if strict_hops:
+        lines += ["Host " + " ".join(strict_hops), "  StrictHostKeyChecking yes"]
+    # the resolution config is copied in, not included: this connection never depends on a shared file
+    lines += ["Host *", f"  UserKnownHostsFile {setup.known_hosts_value(files)}",
+              *Path(host.ssh_resolve).read_text().splitlines()]
+    config = folder / "config"
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    g = host.ssh_resolved
+    user_path = (g.get("controlpath") or ["none"])[0]
+    if user_path.lower() != "none":
+        control: Path | None = Path(user_path)
+        own = False
+    elif host.ssh_persist > 0:
+        # what dfo's known_hosts says of this host is part of the name: a master that verified the
+        # host under other lines (a key since changed, revoked, a new CA) is never reused
+        names = [setup.label(host.hostname, host.port)] + [
+            setup.label(h, p or 22) for _, h, p in setup.jump_hops(host.proxy_jump or "")]
+        mine = sorted((e.marker or "", e.hosts, e.key_type, e.blob.hex()) for e in dfo.entries
+                      if e.marker is not None or any(e.matches(n) for n in names))
+        control = setup.control_path(base, host.user, host.hostname, host.port, host.proxy_jump,
+                                     host.proxy_command, host.ssh_resolve, host.known_hosts, target_strict,
+                                     strict_hops, host.ssh_options, mine)
+        own = True
+    else:
+        control, own = None, True
+    return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops)
+
+
+def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:
+    """Move the keys ssh recorded in this connection's new-keys file into dfo's known_hosts (once each)."""
+    try:
+        if prep.new_keys.stat().st_size == 0:
+            return
+    except OSError:
+        return
+    path = Path(host.known_hosts)
+    lock_path = path.with_name(path.name + ".lock")
+    with _KH_LOCK, open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        fresh = prep.new_keys.read_text(encoding="utf-8", errors="replace")
+        with open(prep.new_keys, "w"):
+            pass
+        kh = KnownHosts.load(host.known_hosts)
+        for line in fresh.splitlines():
+            got = parse_line(line)
+            if got is None or isinstance(got, str) or got[0] is not None:
+                continue
+            _, name, key_type, blob = got
+            same = [e for e in kh.recorded(name) if e.key_type == key_type]
+            if any(e.blob == blob for e in same):
+                continue
+            if same:
+                raise HostKeyError(
+                    f"host key for {name} CHANGED while dfo connected: {host.known_hosts}:{same[0].lineno} "
+                    f"records {fingerprint(same[0].blob)}, the node offered {fingerprint(blob)} ({key_type})",
+                    host=host.name, hint="another dfo recorded a different key for it at the same time; check "
+                                         "the node's real key out of band")
+            known_hosts.append(host.known_hosts, name, key_type, blob)
+            kh = KnownHosts.load(host.known_hosts)
+            sys.stderr.write(f"dfo: {host.name}: recorded host key {key_kind(key_type)} {fingerprint(blob)} "
+                             f"for {name} (in {host.known_hosts})\n")

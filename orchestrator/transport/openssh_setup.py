@@ -1,0 +1,330 @@
+"""How dfo drives OpenSSH's client: the ssh_config files it writes, `ssh -G`, host keys, shared masters.
+
+All of the OpenSSH transport's options live here, in one commented place (the run loop is openssh.py):
+
+* ssh_config holds, because ssh applies it: Include, Match, IdentityAgent, CertificateFile,
+  IdentitiesOnly, ProxyJump chains, FIDO keys... dfo hands ssh ONE file with ``-F`` (so every hop of a
+  ProxyJump path gets it too: ssh passes -F, never -o, to the ssh it starts for a jump) that reads, in
+  this order (the first value obtained wins in ssh_config):
+    1. dfo's policy for every hop (``POLICY``): BatchMode, dfo's known_hosts first, accept-new,
+       HashKnownHosts no, UpdateHostKeys no, no CheckHostIP, keepalives, connect timeout, no tty,
+       no forwardings, no RemoteCommand;
+    2. the user's files: ``$DFO_SSH_CONFIG`` or the inventory's ``defaults.ssh_config`` alone (as
+       ``ssh -F``), else ~/.ssh/config then /etc/ssh/ssh_config (as ssh reads them);
+    3. the inventory's defaults: port and proxy_jump for this host's alias only (``Match originalhost``),
+       user and identity for it and its ProxyJump hops: they fill what ssh_config leaves unset.
+  The host's own inventory fields (port, user, identity, proxy_jump) go on the command line as ``-o``,
+  so they win over everything (and apply to the target only, as ``ssh -o`` does).
+* The files live in dfo's own 0700 folder (``state_dir``): $XDG_RUNTIME_DIR/dfo-ssh, else
+  ~/.cache/dfo/ssh. The resolution config (1-3) is named by its content's hash and written once; a
+  connection's own config (``conn_config``) adds, for every hop, UserKnownHostsFile = a fresh file of
+  this connection's (new keys land there first), dfo's known_hosts, then the user's own known_hosts
+  files (so keys the user's ssh already trusts are trusted), and StrictHostKeyChecking yes for the
+  hops a @cert-authority line covers (a certificate, or a key recorded by hand; never first use).
+* Connection sharing: ControlMaster auto, ControlPersist ``defaults.ssh_persist`` (60 s; 0: off),
+  ControlPath in dfo's folder (``cm-`` + a hash of user, host, port, path and config). A user whose
+  ssh_config sets a ControlPath for the host keeps theirs (dfo passes none of its own). A master
+  that does not answer the mux hello within MUX_PROBE_S is treated as dead: its socket is removed
+  (dfo's own) or passed over (the user's), and the command goes over a fresh connection.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import math
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError, HostError
+
+MIN_VERSION = (8, 0)
+MUX_PROBE_S = 2.0  # a live master answers the mux hello at once; a hung one never does
+G_TIMEOUT_S = 15.0  # `ssh -G` reads files only (Match exec may run a command)
+MAX_HOPS = 8
+
+
+def state_dir() -> Path:
+    """dfo's own folder for ssh: 0700, created on first use (control sockets, config files)."""
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else Path("~/.cache/dfo/ssh").expanduser()
+    try:
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = base.stat()
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"{base}: dfo's ssh folder belongs to another user",
+                              hint="remove it, or set XDG_RUNTIME_DIR to a folder of yours")
+        if st.st_mode & 0o077:
+            os.chmod(base, 0o700)
+    except OSError as exc:
+        raise ConfigError(f"{base}: cannot make dfo's ssh folder: {exc.strerror or exc}",
+                          hint="check that your home (or $XDG_RUNTIME_DIR) is writable") from None
+    return base
+
+
+# ------------------------------------------------------------------------------------------ the binary
+
+def ssh_binary() -> str | None:
+    return shutil.which("ssh")
+
+
+def ssh_version(path: str) -> tuple[int, int] | None:
+    """OpenSSH's (major, minor) for the ssh at ``path`` (``ssh -V``, cached by the binary's stat), or None
+    for a client that is not OpenSSH."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    cache = Path("~/.cache/dfo/ssh-version").expanduser()
+    try:
+        k, _, v = cache.read_text().partition("\n")
+        if k == key:
+            return _version(v)
+    except (OSError, UnicodeDecodeError):
+        pass
+    try:
+        r = subprocess.run([path, "-V"], capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (r.stderr + r.stdout).strip().splitlines()[:1]
+    got = text[0] if text else ""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = cache.with_name(f".ssh-version.{os.getpid()}")
+        tmp.write_text(f"{key}\n{got}")
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return _version(got)
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    m = re.match(r"OpenSSH_(\d+)\.(\d+)", text.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def usable_ssh() -> str | None:
+    """The path of an OpenSSH client >= 8.0 on PATH, or None."""
+    path = ssh_binary()
+    if path is None:
+        return None
+    v = ssh_version(path)
+    return path if v is not None and v >= MIN_VERSION else None
+
+
+# ------------------------------------------------------------------------------------------ config files
+
+def q(value: str) -> str:
+    """A value for an ssh_config line: double-quoted (ssh_config's own quoting; no '"' allowed in it)."""
+    if '"' in value or "\n" in value:
+        raise ConfigError(f"{value!r}: dfo cannot pass a value with '\"' or a newline to ssh_config")
+    return f'"{value}"'
+
+
+def pct(value: str) -> str:
+    """A path for a keyword that expands %-tokens (IdentityFile, UserKnownHostsFile, ControlPath)."""
+    return value.replace("%", "%%")
+
+
+def policy_lines(connect_timeout: float, interval: float, dead: float) -> list[str]:
+    """dfo's rules for every hop (see the module's docstring). ServerAlive: a keepalive every
+    ``interval`` s that wants an answer; ssh gives up after CountMax unanswered ones (``dead``)."""
+    count = max(1, math.ceil(dead / max(1, round(interval))))
+    return [
+        "  BatchMode yes",  # never a prompt: dfo has no terminal (passphrases: ssh-agent)
+        "  StrictHostKeyChecking accept-new",  # a new host's key is recorded; a changed one refused
+        "  HashKnownHosts no",  # dfo's known_hosts stays readable, one line per host
+        "  UpdateHostKeys no",  # ssh never rewrites dfo's known_hosts
+        "  CheckHostIP no",  # one line per host name, not name + address
+        f"  ConnectTimeout {max(1, math.ceil(connect_timeout))}",
+        f"  ServerAliveInterval {max(1, round(interval))}",
+        f"  ServerAliveCountMax {count}",
+        "  RequestTTY no",
+        "  RemoteCommand none",
+        "  ClearAllForwardings yes",
+        "  PermitLocalCommand no",
+        "  ForkAfterAuthentication no",
+        "  LogLevel " + ("DEBUG" if os.environ.get("DFO_DEBUG") else "ERROR"),
+    ]
+
+
+@dataclass
+class SshSetup:
+    """Everything the OpenSSH transport needs for one inventory host, resolved by ``ssh -G``."""
+
+    alias: str  # what ssh is given
+    options: list[str]  # the host's own inventory fields, as -o KEY=VALUE (they win)
+    config: Path  # the resolution config (policy + the user's files + the inventory's defaults)
+    resolved: dict[str, list[str]] = field(default_factory=dict)  # ssh -G's answer: keyword -> values
+
+    def one(self, key: str, default: str | None = None) -> str | None:
+        v = self.resolved.get(key)
+        return v[0] if v else default
+
+
+def user_config_lines(explicit: str | None) -> list[str]:
+    if explicit:
+        return [f"Include {q(explicit)}"]
+    return ["Include ~/.ssh/config", "Include /etc/ssh/ssh_config"]
+
+
+def write_config(name: str, lines: list[str], *, folder: Path | None = None) -> Path:
+    """Write a config file named by its content's hash (once), 0600 in dfo's folder; its path."""
+    text = "\n".join(lines) + "\n"
+    folder = folder or state_dir()
+    path = folder / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.conf"
+    try:
+        if path.read_text() == text:
+            os.utime(path)  # in use: openssh_keys.clean_stale removes only files unused for a week
+            return path
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def resolution_config(alias: str, explicit: str | None, policy: list[str], defaults: dict[str, str]) -> Path:
+    lines = ["# written by dfo (orchestrator/transport/openssh_setup.py): dfo's rules first, then your ssh_config,",
+             "# then the inventory's defaults for this host. Rewritten when any of them changes.",
+             "Host *", *policy, *user_config_lines(explicit)]
+    own = {k: v for k, v in defaults.items() if k in ("Port", "ProxyJump")}
+    every = {k: v for k, v in defaults.items() if k not in own}
+    if own:  # the host's port and jump path: this host only (a jump host has its own)
+        lines.append(f"Match originalhost {q(alias)}")
+        lines += [f"  {k} {v.strip()}" for k, v in own.items()]
+    if every:  # user and key: the hops of its ProxyJump path too, as the paramiko transport does
+        lines.append("Host *")
+        lines += [f"  {k} {q(v)}" for k, v in every.items()]
+    return write_config("resolve", lines)
+
+
+def ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
+    """``ssh -G``: the settings ssh would use for ``alias`` (every keyword lower-case, its values)."""
+    argv = [ssh, "-G", "-F", str(config)]
+    for o in options:
+        argv += ["-o", o]
+    argv += ["--", alias]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=G_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise HostError(f"`ssh -G {alias}` did not answer within {G_TIMEOUT_S:g}s",
+                        hint="a Match exec in your ssh_config may hang") from None
+    if r.returncode != 0:
+        msg = " | ".join(ln.strip() for ln in r.stderr.splitlines() if ln.strip())[-400:]
+        raise ConfigError(f"ssh cannot read its configuration for {alias}: {msg or f'exit {r.returncode}'}",
+                          hint=f"fix the line it names (see ssh_config(5)); dfo's ssh_config: {where}")
+    out: dict[str, list[str]] = {}
+    for line in r.stdout.splitlines():
+        k, _, v = line.partition(" ")
+        out.setdefault(k.lower(), []).append(v)
+    return out
+
+
+def resolve(alias: str, options: list[str], defaults: dict[str, str], explicit: str | None,
+            connect_timeout: float) -> tuple[Path, dict[str, list[str]]]:
+    """(the resolution config, ``ssh -G``'s answer) for an inventory host on the OpenSSH transport."""
+    from .liveness import bounds
+
+    ssh = usable_ssh()
+    if ssh is None:
+        raise ConfigError("transport: openssh needs an OpenSSH client (ssh 8.0 or newer) on PATH",
+                          hint="install one (Debian/Ubuntu: openssh-client), or set transport: paramiko")
+    b = bounds()
+    config = resolution_config(alias, explicit, policy_lines(connect_timeout, b.interval, b.dead), defaults)
+    return config, ssh_g(ssh, config, alias, options, explicit or "~/.ssh/config and /etc/ssh/ssh_config")
+
+
+def label(hostname: str, port: int) -> str:
+    return hostname if int(port) == 22 else f"[{hostname}]:{port}"
+
+
+def jump_hops(spec: str) -> list[tuple[str | None, str, int | None]]:
+    """``[user@]host[:port],...`` (or ssh:// URIs) as (user, host, port) per hop, in order."""
+    hops = []
+    for raw in (h.strip() for h in spec.split(",")):
+        if not raw:
+            continue
+        if raw.startswith("ssh://"):
+            raw = raw[len("ssh://"):]
+        user, _, rest = raw.rpartition("@")
+        port: int | None = None
+        m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:]+)(?::(\d+))?", rest)
+        if m:
+            host = m.group(1) or m.group(3)
+            p = m.group(2) or m.group(4)
+            port = int(p) if p else None
+        else:
+            host = rest
+        hops.append((user or None, host, port))
+    return hops
+
+
+# ------------------------------------------------------------------------------------------ shared masters
+
+def control_path(folder: Path, *parts: object) -> Path:
+    """A socket path named by what the connection is. A socket's path holds at most 107 bytes and ssh
+    adds 17 while it makes one: a folder too deep for that gives way to /tmp/dfo-ssh-UID (0700, ours)."""
+    digest = hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
+    if len(str(folder)) + len(digest) + 4 + 17 > 100:
+        folder = Path(f"/tmp/dfo-ssh-{os.geteuid()}")
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            st = folder.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise ConfigError(f"{folder} is not a 0700 folder of this user's: dfo will not put ssh's "
+                                  "control sockets there", hint="remove it, or set XDG_RUNTIME_DIR to a short path")
+        except OSError as exc:
+            raise ConfigError(f"{folder}: {exc.strerror or exc}", hint="set XDG_RUNTIME_DIR to a short path") from None
+    return folder / f"cm-{digest}"
+
+
+def master_answers(path: str, timeout: float = MUX_PROBE_S) -> bool | None:
+    """Whether a ControlMaster listens at ``path`` and answers the mux hello: True; no socket or a
+    stale one (nobody listens: ssh replaces it): None; a socket whose master does not answer
+    (stopped, hung): False."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+                return None
+            return False
+        # MUX_MSG_HELLO (1), protocol version 4, as a packet: uint32 length, then the body
+        s.sendall(struct.pack(">III", 8, 1, 4))
+        deadline = time.monotonic() + timeout
+        got = b""
+        while len(got) < 12 and time.monotonic() < deadline:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = s.recv(12 - len(got))
+            if not chunk:
+                return False
+            got += chunk
+        return len(got) == 12 and struct.unpack(">I", got[4:8])[0] == 1
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def known_hosts_value(files: list[str]) -> str:
+    return " ".join(q(pct(f)) for f in files)
+
+
+def quote_cmd(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
