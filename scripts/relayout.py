@@ -22,6 +22,8 @@ What it rewrites:
   (Python source run with ``python -c``).
   bench/results/ (records of past runs) and remote/_vendor/ (vendored as is) are left alone.
 * FIXUPS: the few lines that locate files relative to ``__file__`` or list modules by file name.
+* Never: text between ``<!-- relayout: keep -->`` and ``<!-- /relayout: keep -->`` (the mapping in
+  docs/architecture-layout.md), and the files in SKIP_FILES.
 
 Stdlib only; python3 >= 3.10 (the controller's).
 """
@@ -117,6 +119,20 @@ MOVES: list[tuple[str, str]] = [
     ("orchestrator/demo_data.py", "orchestrator/demo/data.py"),
     ("orchestrator/demo_job", "orchestrator/demo/job"),
 ]
+
+# names the hand edits after the move took elsewhere (new module -> {name: where it is now}): an import of
+# one of them from its old module (a branch merged later still writes it) is pointed at the new one
+NAME_MOVES: dict[str, dict[str, str]] = {
+    "orchestrator.transport.ssh": {"open_connection": "orchestrator.transport"},
+    "orchestrator.transport.base": {"open_connection": "orchestrator.transport"},
+    "orchestrator.steps.runs": {"job_workspace": "orchestrator.steps.workspace",
+                                "run_dir_of": "orchestrator.steps.workspace"},
+    "orchestrator.testbed.s3": {"FaultProxy": "orchestrator.testbed.proxy", "PROXY_MODES": "orchestrator.testbed.proxy"},
+    "orchestrator.commands.runs": {"Launched": "orchestrator.steps.fleet"},
+    "orchestrator.commands.up": {"live_runs": "orchestrator.steps.fleet"},
+    "orchestrator.commands.demo": {n: "orchestrator.demo.setup" for n in (
+        "DEMO_JOB", "CPU_INDEX", "checkout", "default_wheels", "DEFAULT_WHEELS", "wheels_hint", "demo_job")},
+}
 
 # __init__.py of each new package (created when missing; never overwritten)
 PACKAGES: dict[str, str] = {
@@ -375,7 +391,16 @@ def map_from(base: str, names: list[tuple[str, str | None]],
             groups.setdefault(OLD2NEW[base], []).append((name, alias))
         else:
             groups.setdefault(base, []).append((name, alias))
-    return list(groups.items())
+    out: dict[str, list[tuple[str, str | None]]] = {}
+    for b, ns in groups.items():
+        for name, alias in ns:
+            where = NAME_MOVES.get(b, {}).get(name)
+            if where is not None and name not in defined_names(b):
+                b2 = where
+            else:
+                b2 = b
+            out.setdefault(b2, []).append((name, alias))
+    return list(out.items())
 
 
 def render_from(base: str, names: list[tuple[str, str | None]], relative_to: str | None) -> str:
@@ -507,7 +532,17 @@ def _path_rules() -> list[tuple[re.Pattern[str], str]]:
 _FROM_TEXT = re.compile(r"\bfrom ((?:remote|orchestrator)(?:\.\w+)*) import (\w+(?:, \w+)*)(?![\w,]| as\b)")
 
 
+_KEEP = re.compile(r"(<!-- relayout: keep -->.*?<!-- /relayout: keep -->)", re.S)
+
+
 def rewrite_text(text: str, mods: set[str], dotted, paths) -> str:  # type: ignore[no-untyped-def]
+    """``text`` with old names rewritten, except between ``<!-- relayout: keep -->`` and
+    ``<!-- /relayout: keep -->`` (a doc that shows the old layout on purpose)."""
+    parts = _KEEP.split(text)
+    return "".join(part if i % 2 else _rewrite_text(part, mods, dotted, paths) for i, part in enumerate(parts))
+
+
+def _rewrite_text(text: str, mods: set[str], dotted, paths) -> str:  # type: ignore[no-untyped-def]
     def from_sub(m: re.Match[str]) -> str:
         names = [(n, None) for n in m.group(2).split(", ")]
         groups = map_from(m.group(1), names, mods)  # type: ignore[arg-type]

@@ -195,7 +195,7 @@ class _Measured(_Collector):
 
 def _conn(testbed: Testbed, tmp_path: Path) -> Any:
     from orchestrator.config.models import load_inventory, resolve_host
-    from orchestrator.transport.ssh import open_connection
+    from orchestrator.transport import open_connection
     from tests._runs_fixtures import inventory_copy
 
     inv_path = inventory_copy(testbed, tmp_path)
