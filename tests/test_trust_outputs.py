@@ -262,10 +262,11 @@ def test_plain_command_output_is_capped_with_an_error_naming_the_host() -> None:
 
 def test_on_a_node_endless_output_to_a_plain_command_stops_at_the_cap(testbed: Testbed, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator import connection
+    from orchestrator import connection, openssh
 
     monkeypatch.setattr(_Measured, "ALL_MAX", 8 << 20)  # the same code path, a smaller cap: quicker
     monkeypatch.setattr(connection, "_Collector", _Measured)
+    monkeypatch.setattr(openssh, "_Collector", _Measured)  # whichever transport `ssh` means here
     _Measured.peak = 0
     conn = _conn(testbed, tmp_path)
     try:
