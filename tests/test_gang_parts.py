@@ -256,6 +256,11 @@ def test_a_failing_member_stops_every_other_node() -> None:
         g.w[2].trainer_ended(3)
         assert g.stops["node-1"].wait(10) and g.stops["node-2"].wait(10)
         assert not g.stops["node-3"].is_set()  # its own trainer ended: nothing to stop there
+        # the failing member hears the gang's verdict after the hub has sent it to the others: under load
+        # node-1 and node-2 may be stopped before node-3's watch has read its gang-failed line
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(w.first_failure is None for w in g.w):
+            time.sleep(0.05)
         for w in g.w:
             assert w.first_failure == {"host": "node-3", "how": "exit 3"}
         assert g.hub.state()["state"] == "failed"
