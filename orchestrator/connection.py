@@ -165,14 +165,16 @@ class _Hop(fabric.Connection):
             raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
         except TimeoutError:
             raise HostError(f"{name} did not answer within {h.connect_timeout:g}s", host=h.name,
-                            hint="is the node up and the port right? (defaults.connect_timeout sets the limit)") from None
+                            hint="is the node up and the port right? "
+                                 "(defaults.connect_timeout sets the limit)") from None
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
             if any(getattr(e, "errno", None) == errno.EHOSTUNREACH for e in exc.errors.values()):
                 raise HostError(f"{name} is unreachable (no route to host)", host=h.name,
                                 hint="is the node up and its address right? (a link that just came back can "
                                      "take a few seconds)") from None
             raise HostError(f"{name} refused the connection", host=h.name,
-                            hint="is sshd running there, and is the port right (inventory port / ~/.ssh/config Port)?") from None
+                            hint="is sshd running there, and is the port right "
+                                 "(inventory port / ~/.ssh/config Port)?") from None
         except paramiko.SSHException as exc:
             if str(exc) in ("No authentication methods available", "No existing session"):
                 raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
@@ -333,7 +335,7 @@ class Connection(Transport):
             if stdin is not None:
                 # a memoryview: paramiko's sendall slices what is left after every packet, which
                 # copies a bytes payload again each time (quadratic: 43 MB took 25 s, now 0.9 s)
-                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))
+                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))  # type: ignore[arg-type]  # paramiko takes any buffer; its stubs say bytes
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if not transport.is_active():

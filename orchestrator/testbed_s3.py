@@ -80,7 +80,7 @@ class S3Endpoint:
     def _config(self) -> Any:
         from botocore.config import Config
 
-        extra: dict[str, str] = {}
+        extra: dict[str, Any] = {}
         if self.server == "rclone":  # it sends whole-object checksums with ranged GETs
             extra = {"response_checksum_validation": "when_required",
                      "request_checksum_calculation": "when_required"}

@@ -110,19 +110,23 @@ def test_preflight_names_the_node_that_differs_and_how() -> None:
     bad = {"node-1": _facts(), "node-2": _facts(), "node-3": _facts(torch="2.10.0")}
     assert preflight_problems("g", bad) == ["node-3: torch 2.10.0, node-1 has 2.11.0"]
     gone = {"node-1": _facts(), "node-2": _facts(provision=None)}
-    assert preflight_problems("g", gone) == ["node-2: no provision record for job g (run dfo provision -H node-2 -j JOB)"]
+    assert preflight_problems("g",
+                              gone) == ["node-2: no provision record for job g (run dfo provision -H node-2 -j JOB)"]
     failed = _facts()
     failed["provision"] = dict(failed["provision"], ok=False)
-    assert "node-2: the last provision of job g failed" in preflight_problems("g", {"node-1": _facts(), "node-2": failed})[0]
+    assert "node-2: the last provision of job g failed" in preflight_problems("g", {"node-1": _facts(),
+                                                                                    "node-2": failed})[0]
     extra = _facts()
     extra["provision"]["packages"] = dict(extra["provision"]["packages"], nccl="2.21")
-    assert preflight_problems("g", {"node-1": _facts(), "node-2": extra}) == ["node-2: nccl 2.21, node-1 does not have it"]
+    assert preflight_problems("g", {"node-1": _facts(),
+                                    "node-2": extra}) == ["node-2: nccl 2.21, node-1 does not have it"]
     data = preflight_problems("g", {"node-1": _facts(), "node-2": _facts(data="d2")})
     assert data == ["node-2: data at /workspace/d: 3 files, 30 bytes from s3://b/d/, node-1 has 3 files, 30 bytes "
                     "from s3://b/d/ (same count and size, other ETags)"]
     nodata = _facts()
     nodata["manifests"] = {"data": None, "model": None}
-    assert preflight_problems("g", {"node-1": _facts(), "node-2": nodata})[0].startswith("node-2: no data manifest at /workspace/d")
+    assert preflight_problems("g", {"node-1": _facts(),
+                                    "node-2": nodata})[0].startswith("node-2: no data manifest at /workspace/d")
 
 
 def test_the_facts_op_reads_the_provision_record_and_the_manifests(tmp_path: Path) -> None:

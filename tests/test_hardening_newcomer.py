@@ -173,7 +173,8 @@ def test_demo_wheels_without_any_cpu_torch_say_what_to_do(tmp_path: Path) -> Non
     r = _demo_wheels(dest, _pip_env(tmp_path, PIP_FIND_LINKS=str(empty), PIP_NO_INDEX="1"))
     assert r.returncode == 3, r.stdout + r.stderr
     assert "no CPU build of torch 2.13.0" in r.stderr
-    for what in ("https://download.pytorch.org/whl/cpu", "PIP_FIND_LINKS=", "DFO_TORCH_INDEX=", "bash .ci/setup --demo"):
+    for what in ("https://download.pytorch.org/whl/cpu", "PIP_FIND_LINKS=", "DFO_TORCH_INDEX=",
+                 "bash .ci/setup --demo"):
         assert what in r.stderr
     assert not list(dest.glob("*.whl"))
 
