@@ -108,7 +108,7 @@ def cli(ctx: click.Context, inventory: str | None, verbose: bool) -> None:
     ctx.ensure_object(dict)
     ctx.obj["inventory"] = inventory
     if verbose:
-        os.environ["DFO_VERBOSE"] = "1"  # read where it matters (transport.ssh_transport), in this process only
+        os.environ["DFO_VERBOSE"] = "1"  # read where it matters (transport.resolve.ssh_transport), in this process only
 
 
 def _help_cache(args: list[str]) -> Path | None:

@@ -70,7 +70,8 @@ class HostSession:
     """Hosts named by -H, each with at most one connection for the whole command."""
 
     def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
-        from .config.models import expand_targets, load_inventory, resolve_host
+        from .config.models import expand_targets, load_inventory
+        from .transport.resolve import resolve_host
 
         self.inventory, self.inventory_path = load_inventory(inventory)
         self.names = expand_targets(self.inventory, targets, self.inventory_path)
@@ -84,7 +85,7 @@ class HostSession:
     def from_inventory(cls, inv: Inventory, path: Path, names: list[str]) -> HostSession:
         self = cls.__new__(cls)
         self.inventory, self.inventory_path, self.names = inv, path, names
-        from .config.models import resolve_host
+        from .transport.resolve import resolve_host
 
         self.hosts = {n: resolve_host(inv, n, path) for n in names}
         self._conns, self._lock = {}, threading.Lock()

@@ -127,7 +127,10 @@ NAME_MOVES: dict[str, dict[str, str]] = {
     "orchestrator.transport.base": {"open_connection": "orchestrator.transport"},
     "orchestrator.steps.runs": {"job_workspace": "orchestrator.steps.workspace",
                                 "run_dir_of": "orchestrator.steps.workspace"},
-    "orchestrator.testbed.s3": {"FaultProxy": "orchestrator.testbed.proxy", "PROXY_MODES": "orchestrator.testbed.proxy"},
+    "orchestrator.testbed.s3": {"FaultProxy": "orchestrator.testbed.proxy",
+                                "PROXY_MODES": "orchestrator.testbed.proxy"},
+    "orchestrator.config.models": {n: "orchestrator.transport.resolve" for n in (
+        "resolve_host", "ssh_config_only", "ssh_config_path", "ssh_configuration")},
     "orchestrator.commands.runs": {"Launched": "orchestrator.steps.fleet"},
     "orchestrator.commands.up": {"live_runs": "orchestrator.steps.fleet"},
     "orchestrator.commands.demo": {n: "orchestrator.demo.setup" for n in (

@@ -62,8 +62,9 @@ def upload(tb: Testbed, bucket: str, prefix: str, files: dict[str, bytes], multi
 
         plain = boto3.client("s3", endpoint_url=ep.url, aws_access_key_id=ep.access_key,
                              aws_secret_access_key=ep.secret_key, region_name=ep.region,
-                             config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"))
-        plain = ep._fix(plain)  # rclone: no "Expect: 100-continue" (see testbed_s3.drop_expect_header)
+                             config=Config(s3={"addressing_style": "path"},
+                                           request_checksum_calculation="when_required"))
+        plain = ep._fix(plain)  # rclone: no "Expect: 100-continue" (see orchestrator/testbed/s3.py drop_expect_header)
     cfg = TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB)
 
     def put(item: tuple[str, bytes]) -> None:
@@ -143,7 +144,8 @@ class Xfer:
     def argv(self, *args: str) -> list[str]:
         return _cli.dfo_argv(self.tb.inventory_path, *args)
 
-    def dfo(self, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    def dfo(self, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 180) -> subprocess.CompletedProcess[str]:
         return _cli.dfo(self.tb.inventory_path, *args, timeout=timeout, cwd=self.tmp, env=env or self.env())
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -181,7 +183,8 @@ class Xfer:
     def recorded(self, dest: str) -> set[str]:
         """Files the manifest (manifest.json + journal) says are finished."""
         q = shlex.quote(dest)
-        r = self.sh(f"cat {q}/.dfo/manifest.json 2>/dev/null; echo; cat {q}/.dfo/journal.jsonl 2>/dev/null", check=False)
+        r = self.sh(f"cat {q}/.dfo/manifest.json 2>/dev/null; echo; cat {q}/.dfo/journal.jsonl 2>/dev/null",
+                    check=False)
         done: set[str] = set()
         for line in r.stdout.splitlines():
             try:

@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import cli
-from orchestrator.config.models import expand_targets, load_inventory, load_job, resolve_host
+from orchestrator.config.models import expand_targets, load_inventory, load_job
 from orchestrator.errors import ConfigError, UsageError
+from orchestrator.transport.resolve import resolve_host
 
 INV = """\
 defaults:
@@ -80,7 +81,8 @@ Host h200-a
   ProxyJump jump@bastion:2200
 """)
     monkeypatch.setenv("DFO_SSH_CONFIG", str(cfg))
-    p = write(tmp_path, "inventory.yaml", "defaults: {known_hosts: kh}\nhosts:\n  h200-a: {}\n  b: {host: h200-a, port: 22, user: root}\n")
+    p = write(tmp_path, "inventory.yaml",
+              "defaults: {known_hosts: kh}\nhosts:\n  h200-a: {}\n  b: {host: h200-a, port: 22, user: root}\n")
     inv, path = load_inventory(p)
     h = resolve_host(inv, "h200-a", path)
     assert (h.hostname, h.port, h.user, h.proxy_jump) == ("192.0.2.7", 10638, "ubuntu", "jump@bastion:2200")
@@ -151,7 +153,8 @@ def test_cli_bad_inventory_exits_2_without_traceback(tmp_path: Path, capfd: pyte
 def test_cli_help_lists_every_command() -> None:
     res = CliRunner().invoke(cli, ["--help"])
     assert res.exit_code == 0
-    for name in ["verify-env", "provision", "stage-model", "sync-data", "launch", "tail", "status", "stop", "up", "demo"]:
+    for name in ["verify-env", "provision", "stage-model", "sync-data", "launch", "tail", "status", "stop", "up",
+                 "demo"]:
         assert name in res.output
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config.models import load_inventory, resolve_host
+from orchestrator.config.models import load_inventory
 from orchestrator.errors import ConnectionLost, HostError
 from orchestrator.transport import open_connection
 from orchestrator.transport.base import STDERR_KEEP, Transport
 from orchestrator.transport.local import LocalConnection
+from orchestrator.transport.resolve import resolve_host
 from tests import _cli
 
 on_testbed = pytest.mark.testbed

@@ -217,7 +217,7 @@ def test_a_vanished_node_ends_the_others_and_shows_as_lost(make_testbed, tmp_pat
         assert ended_ts(tb, h, run) - gone < 60
 
 
-# --------------------------------------------------------------------------- the demo trainer under torchrun (CPU torch)
+# --------------------------------------------------------------------------- the demo trainer under torchrun (CPU torc
 DDP_JOB = Path(__file__).resolve().parent.parent / "jobs" / "demo-ddp.yaml"
 
 

@@ -110,19 +110,23 @@ def test_preflight_names_the_node_that_differs_and_how() -> None:
     bad = {"node-1": _facts(), "node-2": _facts(), "node-3": _facts(torch="2.10.0")}
     assert preflight_problems("g", bad) == ["node-3: torch 2.10.0, node-1 has 2.11.0"]
     gone = {"node-1": _facts(), "node-2": _facts(provision=None)}
-    assert preflight_problems("g", gone) == ["node-2: no provision record for job g (run dfo provision -H node-2 -j JOB)"]
+    assert preflight_problems("g",
+                              gone) == ["node-2: no provision record for job g (run dfo provision -H node-2 -j JOB)"]
     failed = _facts()
     failed["provision"] = dict(failed["provision"], ok=False)
-    assert "node-2: the last provision of job g failed" in preflight_problems("g", {"node-1": _facts(), "node-2": failed})[0]
+    assert "node-2: the last provision of job g failed" in preflight_problems("g", {"node-1": _facts(),
+                                                                                    "node-2": failed})[0]
     extra = _facts()
     extra["provision"]["packages"] = dict(extra["provision"]["packages"], nccl="2.21")
-    assert preflight_problems("g", {"node-1": _facts(), "node-2": extra}) == ["node-2: nccl 2.21, node-1 does not have it"]
+    assert preflight_problems("g", {"node-1": _facts(),
+                                    "node-2": extra}) == ["node-2: nccl 2.21, node-1 does not have it"]
     data = preflight_problems("g", {"node-1": _facts(), "node-2": _facts(data="d2")})
     assert data == ["node-2: data at /workspace/d: 3 files, 30 bytes from s3://b/d/, node-1 has 3 files, 30 bytes "
                     "from s3://b/d/ (same count and size, other ETags)"]
     nodata = _facts()
     nodata["manifests"] = {"data": None, "model": None}
-    assert preflight_problems("g", {"node-1": _facts(), "node-2": nodata})[0].startswith("node-2: no data manifest at /workspace/d")
+    assert preflight_problems("g", {"node-1": _facts(),
+                                    "node-2": nodata})[0].startswith("node-2: no data manifest at /workspace/d")
 
 
 def test_the_facts_op_reads_the_provision_record_and_the_manifests(tmp_path: Path) -> None:
@@ -256,6 +260,11 @@ def test_a_failing_member_stops_every_other_node() -> None:
         g.w[2].trainer_ended(3)
         assert g.stops["node-1"].wait(10) and g.stops["node-2"].wait(10)
         assert not g.stops["node-3"].is_set()  # its own trainer ended: nothing to stop there
+        # the failing member hears the gang's verdict after the hub has sent it to the others: under load
+        # node-1 and node-2 may be stopped before node-3's watch has read its gang-failed line
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(w.first_failure is None for w in g.w):
+            time.sleep(0.05)
         for w in g.w:
             assert w.first_failure == {"host": "node-3", "how": "exit 3"}
         assert g.hub.state()["state"] == "failed"
@@ -453,8 +462,9 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
     gang address, and fails naming both nodes with a wrong private_address; the preflight names
     the node whose provision record has another torch; the node finds the interface for gloo."""
     from orchestrator.agent import run_module
-    from orchestrator.config.models import load_inventory, resolve_host
+    from orchestrator.config.models import load_inventory
     from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
     from tests._runs_fixtures import inventory_copy
 
     inv, p = load_inventory(inventory_copy(testbed2, tmp_path))

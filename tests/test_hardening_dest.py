@@ -289,7 +289,8 @@ def test_manifest_entries_from_before_identity_records_are_trusted_then_upgraded
     (dest / ".dfo").mkdir(parents=True, mode=0o700)
     (dest / "a").write_bytes(b"x" * 10)
     st = os.stat(dest / "a")
-    legacy = {"version": 1, "source": "s3://b/p/", "files": {"a": {"size": 10, "etag": "e", "mtime_ns": st.st_mtime_ns}}}
+    legacy = {"version": 1, "source": "s3://b/p/", "files": {"a": {"size": 10, "etag": "e",
+                                                                   "mtime_ns": st.st_mtime_ns}}}
     (dest / ".dfo" / "manifest.json").write_text(json.dumps(legacy))
     m = Manifest(str(dest), "s3://b/p/").open()
     assert m.present("a", 10, "e")

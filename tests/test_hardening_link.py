@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config.models import load_inventory, resolve_host
+from orchestrator.config.models import load_inventory
 from orchestrator.errors import HostError
 from orchestrator.testbed import system as tsys
 from orchestrator.transport import open_connection
 from orchestrator.transport.base import Transport
 from orchestrator.transport.liveness import bounds
+from orchestrator.transport.resolve import resolve_host
 from tests._runs_fixtures import COUNTER, RunsEnv, dfo, dfo_popen, inventory_copy
 from tests._s3_fixtures import Xfer, random_files, upload
 

@@ -26,6 +26,7 @@ import pytest
 
 from orchestrator.testbed import Testbed
 from orchestrator.testbed.s3 import S3Server, find_binary
+from tests._cli import dfo
 from tests._wheels import build_wheel, uv_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ def test_ci_run_ends_with_the_readmes_test_command() -> None:
     assert tests[0] == "bash .ci/setup && .venv/bin/python -m pytest -q"
     assert "bash .ci/setup --demo && .venv/bin/dfo demo" in cmds
     assert any("check_links.py" in ln for ln in run[:-1]), run  # the docs' links, before the tests
+    assert "export DFO_STRICT_SKIPS=1" in run[:-1], run  # no test skips silently in CI (tests/allowed_skips.txt)
 
 
 def test_setup_installs_into_a_venv_never_the_system_python() -> None:
@@ -71,6 +73,7 @@ def test_setup_installs_into_a_venv_never_the_system_python() -> None:
     assert "-m venv" in text
 
 
+@pytest.mark.serial  # it times itself, and a stale .venv is reinstalled under the other workers' feet
 @pytest.mark.skipif(not (ROOT / ".venv" / ".dfo-setup-stamp").is_file(), reason="no .venv yet: run bash .ci/setup")
 def test_a_second_setup_installs_nothing_and_is_quick() -> None:
     t0 = time.monotonic()
@@ -170,7 +173,8 @@ def test_demo_wheels_without_any_cpu_torch_say_what_to_do(tmp_path: Path) -> Non
     r = _demo_wheels(dest, _pip_env(tmp_path, PIP_FIND_LINKS=str(empty), PIP_NO_INDEX="1"))
     assert r.returncode == 3, r.stdout + r.stderr
     assert "no CPU build of torch 2.13.0" in r.stderr
-    for what in ("https://download.pytorch.org/whl/cpu", "PIP_FIND_LINKS=", "DFO_TORCH_INDEX=", "bash .ci/setup --demo"):
+    for what in ("https://download.pytorch.org/whl/cpu", "PIP_FIND_LINKS=", "DFO_TORCH_INDEX=",
+                 "bash .ci/setup --demo"):
         assert what in r.stderr
     assert not list(dest.glob("*.whl"))
 
@@ -190,8 +194,7 @@ def _run_demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[s
     tmpdir.mkdir()
     wheels = _fake_demo_wheels(tmp_path / "wheels")
     env = dict(os.environ, TMPDIR=str(tmpdir), COLUMNS="200")
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--wheels", str(wheels), "--steps", "1",
-                        *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    r = dfo(None, "demo", "--wheels", str(wheels), "--steps", "1", *args, env=env, timeout=600, cwd=ROOT)
     return r, tmpdir
 
 

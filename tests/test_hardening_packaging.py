@@ -140,10 +140,12 @@ def test_node_code_never_imports_an_installed_packaging() -> None:
 def test_remote_is_python_3_8_compatible_per_vermin(tmp_path: Path) -> None:
     """vermin over every node-side module (the vendored packaging is upstream's, tested on 3.8 there;
     vermin cannot see its version guards)."""
-    vermin = shutil.which("vermin")
-    if vermin is None:
-        pytest.skip("vermin is not installed (pip install -e '.[test]')")
-    argv = [vermin, "-t=3.8-", "--no-tips", "--violations", "--exclude-regex", r"/_vendor/"]
+    # the running interpreter's vermin (a test extra, its script beside the interpreter), not PATH's:
+    # `.venv/bin/python -m pytest` does not put .venv/bin on PATH (vermin has no __main__ for -m)
+    vermin = Path(sys.executable).parent / "vermin"
+    if not vermin.is_file():
+        pytest.skip(f"vermin is not installed beside {sys.executable} (pip install -e '.[test]')")
+    argv = [str(vermin), "-t=3.8-", "--no-tips", "--violations", "--exclude-regex", r"/_vendor/"]
     r = subprocess.run(argv + [str(ROOT / "remote")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     files = len([p for p in (ROOT / "remote").rglob("*.py") if "_vendor" not in p.parts])
@@ -154,9 +156,21 @@ def test_remote_is_python_3_8_compatible_per_vermin(tmp_path: Path) -> None:
     assert r.returncode != 0 and "zoneinfo" in r.stdout  # the check can fail
 
 
+def _uv_python38() -> str:
+    """uv's own python3.8 (bash .ci/setup installs one where none is found), asked of the uv beside
+    the running interpreter (a test extra), not of PATH."""
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.is_file():
+        return ""
+    r = subprocess.run([str(uv), "python", "find", "--managed-python", "3.8"], capture_output=True, text=True,
+                       timeout=60)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
 def _python38() -> str | None:
     candidates = [os.environ.get("DFO_PYTHON38") or "", shutil.which("python3.8") or ""]
     candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python3.8")))
+    candidates.append(_uv_python38())
     for exe in filter(None, candidates):
         try:
             r = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
@@ -173,7 +187,7 @@ def test_node_code_runs_on_python_3_8() -> None:
     and run pkgcheck (pins, markers, a missing distribution) through the vendored packaging."""
     exe = _python38()
     if exe is None:
-        pytest.skip("no python3.8 here (set DFO_PYTHON38 to one)")
+        pytest.skip("no python3.8 here (bash .ci/setup installs one with uv; or set DFO_PYTHON38 to one)")
     code = (
         "import sys, json; sys.modules['packaging'] = None\n"
         f"import importlib; [importlib.import_module(m) for m in {NODE_MODULES!r}]\n"

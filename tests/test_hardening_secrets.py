@@ -310,8 +310,9 @@ def test_local_transport_gives_the_trainer_an_allow_listed_environment(tmp_path:
 def test_the_node_keeps_url_credentials_out_of_meta_json_even_when_sent_as_plain(testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Defence in depth: remote.runs itself moves a credentialed value (and a secret name) out of meta.json."""
     from orchestrator.agent import run_module
-    from orchestrator.config.models import load_inventory, resolve_host
+    from orchestrator.config.models import load_inventory
     from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
 
     inv_path = inventory_copy(testbed, tmp_path)
     inv, p = load_inventory(inv_path)

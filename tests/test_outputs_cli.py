@@ -248,7 +248,8 @@ def test_outputs_shows_what_was_shipped_and_ship_makes_a_pass(oenv: OutEnv) -> N
     final = oenv.json("outputs", "-H", oenv.node.name, run)
     assert final["state"] == "done" and final["final"]["ok"], final
     # the S3 secret went on stdin only: no file of the run (meta.json, log, outputs.json, ...) holds it
-    held = oenv.tb.node_exec(oenv.node, f"grep -rlF {shlex.quote(oenv.s3.secret_key)} /workspace/.dfo/runs/{run} {path}")
+    held = oenv.tb.node_exec(oenv.node,
+                             f"grep -rlF {shlex.quote(oenv.s3.secret_key)} /workspace/.dfo/runs/{run} {path}")
     assert held.returncode == 1 and not held.stdout, held.stdout
 
 

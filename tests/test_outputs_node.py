@@ -191,7 +191,8 @@ def test_the_shipper_gets_the_credentials_on_stdin_only_and_ships_while_the_trai
     meta = node.file(run, "meta.json")
     assert meta["outputs"]["dest"] == "s3://bucket/runs/outjob/" and "credentials" not in meta["outputs"]
     log = (rd / "log").read_text().splitlines()
-    assert "[dfo outputs] pass 1 timer" in log and log[-1] == f"[dfo outputs] pass {fin['outputs']['passes']} final final"
+    assert "[dfo outputs] pass 1 timer" in log
+    assert log[-1] == f"[dfo outputs] pass {fin['outputs']['passes']} final final"
 
 
 def test_end_json_comes_first_then_the_last_pass_and_follow_waits_for_it(node: LocalNode, tmp_path: Path) -> None:

@@ -55,7 +55,8 @@ def test_fresh_node_then_second_run_makes_no_install_call(pv: Pv) -> None:  # no
     # the record on the node, and verify-env agrees with it
     rec = pv.read_json(f"{pv.workspace}/.dfo/provision/pvjob.json")
     assert rec["ok"] is True and rec["asked"] == ["faketorch==2.11.0", "faketriton==3.6.0", "fakefla==0.6.0"]
-    assert {i["asked"]: i["after"] for i in rec["installed"]} == {"faketorch==2.11.0": "2.11.0", "fakefla==0.6.0": "0.6.0"}
+    assert {i["asked"]: i["after"] for i in rec["installed"]} == {"faketorch==2.11.0": "2.11.0",
+                                                                  "fakefla==0.6.0": "0.6.0"}
     assert "pip" in rec["packages_before"] and "faketorch" not in rec["packages_before"]
     assert rec["packages_after"]["faketorch"] == "2.11.0"
     v = pv.dfo("verify-env", "-H", pv.node.name, "-j", str(job), "--json")

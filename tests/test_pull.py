@@ -8,7 +8,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.testbed import Testbed
+from tests import _cli
 from tests._runs_fixtures import dfo, inventory_copy
 
 WRITER = """\
@@ -89,8 +89,7 @@ def test_pull_verified_only_changes(penv: PullEnv, tmp_path: Path) -> None:
     narrow = penv.pull(penv.run, "out/sub", "--to", str(tmp_path / "narrow"))
     assert narrow["fetched"] == 1 and (tmp_path / "narrow/out/sub/with space 'q' $(x).txt").read_text() == "odd\n"
     # the default DIR is ./runs/RUN/ under the current folder
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(penv.inv), "pull", "-H", penv.node.name,
-                        penv.run, "out/ckpt.bin"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = _cli.dfo(penv.inv, "pull", "-H", penv.node.name, penv.run, "out/ckpt.bin", cwd=tmp_path, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert sha(tmp_path / "runs" / penv.run / "out/ckpt.bin") == penv.node_sha("out/ckpt.bin")
     bad = penv.pull(penv.run, "../etc", "--to", str(tmp_path / "x"), expect=2)
@@ -101,8 +100,7 @@ def test_pull_resumes_and_checks_the_whole_file(penv: PullEnv, tmp_path: Path) -
     big = f"{penv.workdir}/out/big.bin"
     assert penv.tb.node_exec(penv.node, f"head -c 4M /dev/urandom > {big} && truncate -s 400M {big}").returncode == 0
     to = tmp_path / "got"
-    argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(penv.inv), "pull", "-H", penv.node.name, penv.run,
-            "out/big.bin", "--to", str(to), "--json"]
+    argv = _cli.dfo_argv(penv.inv, "pull", "-H", penv.node.name, penv.run, "out/big.bin", "--to", str(to), "--json")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     parts = to / ".dfo" / "partial"
     deadline = time.monotonic() + 60
@@ -186,8 +184,7 @@ def test_pull_without_job_defaults_to_the_runs_outputs_path(testbed: Testbed, tm
         on_node = testbed.node_exec(node, f"sha256sum {base}/{name}/ckpt-1.bin")
         assert on_node.returncode == 0 and sha(to / "ckpt-1.bin") == on_node.stdout.split()[0]
         # the newest run (no RUN, no -j) into ./runs/RUN/: the same files
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "pull", "-H", node.name],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        r = _cli.dfo(inv, "pull", "-H", node.name, cwd=tmp_path, env=dict(os.environ))
         assert r.returncode == 0, r.stderr
         assert sha(tmp_path / "runs" / run / "ckpt-1.bin") == on_node.stdout.split()[0]
         assert not (tmp_path / "runs" / run / "in-workdir.txt").exists()

@@ -141,7 +141,8 @@ def test_exit_codes_propagate(env: RunsEnv) -> None:
 
 @on_testbed
 def test_sigkill_is_flagged_as_likely_oom(env: RunsEnv) -> None:
-    job, _ = env.job("python3 -c 'import os, signal; print(\"allocating\", flush=True); os.kill(os.getpid(), signal.SIGKILL)'")
+    job, _ = env.job("python3 -c 'import os, signal; print(\"allocating\", flush=True); "
+                     "os.kill(os.getpid(), signal.SIGKILL)'")
     h = env.launch(job, "--wait", "10")
     assert h["state"] == "failed" and h["signal"] == "SIGKILL" and h["exit_code"] is None
     assert h["diagnosis"][0]["name"] == "killed-sigkill"
@@ -222,7 +223,8 @@ def test_stop_ends_the_whole_process_group(env: RunsEnv) -> None:
 
 @on_testbed
 def test_stop_escalates_to_sigkill_after_the_grace(env: RunsEnv) -> None:
-    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n"
+    stubborn = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('ready', flush=True)\ntime.sleep(600)\n")
     job, _ = env.job("python3 stubborn.py", {"stubborn.py": stubborn})
     h = env.launch(job, "--wait", "1.5")
     r = env.dfo("stop", "-H", env.node.name, h["run"], "--grace", "1", "--json")
@@ -329,7 +331,8 @@ RACE_TAIL = AUTOTUNER_CRASH.split("'''")[1].splitlines()
 
 @pytest.mark.parametrize("lines,end,name", [
     (RACE_TAIL, {"exit_code": 1}, "triton-autotuner-race"),
-    (["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"], {"exit_code": 1}, "cuda-out-of-memory"),
+    (["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"], {"exit_code": 1},
+     "cuda-out-of-memory"),
     (["[rank1]:[E ProcessGroupNCCL.cpp:1182] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)"],
      {"exit_code": 1}, "nccl-timeout"),
     (["torch.distributed.DistBackendError: NCCL error in: ../ProcessGroupNCCL.cpp:1970, unhandled system error"],

@@ -238,7 +238,8 @@ def test_nothing_needless_is_imported_before_the_first_byte(command: str, tmp_pa
                    "hosts:\n  dead: {host: 127.0.0.1, port: 1}\n")
     (tmp_path / "key").write_text("")
     r = subprocess.run([sys.executable, "-c", AT_CONNECT, "-i", str(inv), command, "-H", "dead"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "HOME": str(tmp_path)})
+                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                        "HOME": str(tmp_path)})
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert doc["code"] == 4, r.stderr
     assert doc["at_connect"] is not None, r.stderr  # it did try to connect
@@ -280,6 +281,7 @@ def test_shared_cli_pieces_import_nothing_heavy(module: str) -> None:
     command module that needs only them keeps its --help and usage errors light."""
     probe = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2:]))))")
-    r = subprocess.run([sys.executable, "-c", probe, module, *sorted(HEAVY)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", probe, module, *sorted(HEAVY)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [], (module, r.stdout)

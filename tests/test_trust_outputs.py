@@ -194,8 +194,9 @@ class _Measured(_Collector):
 
 
 def _conn(testbed: Testbed, tmp_path: Path) -> Any:
-    from orchestrator.config.models import load_inventory, resolve_host
+    from orchestrator.config.models import load_inventory
     from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
     from tests._runs_fixtures import inventory_copy
 
     inv_path = inventory_copy(testbed, tmp_path)
@@ -263,10 +264,12 @@ def test_plain_command_output_is_capped_with_an_error_naming_the_host() -> None:
 
 def test_on_a_node_endless_output_to_a_plain_command_stops_at_the_cap(testbed: Testbed, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.transport import openssh
     from orchestrator.transport import ssh as connection
 
     monkeypatch.setattr(_Measured, "ALL_MAX", 8 << 20)  # the same code path, a smaller cap: quicker
     monkeypatch.setattr(connection, "_Collector", _Measured)
+    monkeypatch.setattr(openssh, "_Collector", _Measured)  # whichever transport `ssh` means here
     _Measured.peak = 0
     conn = _conn(testbed, tmp_path)
     try:

@@ -20,7 +20,6 @@ import resource
 import secrets
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 
 from orchestrator.testbed import Node, Testbed
+from tests._cli import dfo_argv
 from tests._runs_fixtures import inventory_copy
 
 pytestmark = pytest.mark.testbed
@@ -191,7 +191,7 @@ class Env:
         return r.stdout
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", "-i", str(self.inv), *args]
+        return dfo_argv(self.inv, *args)
 
     def environ(self) -> dict[str, str]:
         return dict(os.environ, COLUMNS="200", XDG_CACHE_HOME=str(self.cache), PYTHONPATH=str(self.frozen))

@@ -215,10 +215,11 @@ def test_up_json_is_one_document_over_one_connection_per_host(upx: Xfer) -> None
     prov = json.loads(x.dfo("provision", "-H", node, "-j", str(job), "--json").stdout)["hosts"][node]
     assert set(prov) == set(h["provision"])
 
-    # again, human output: every step has nothing to do; still one connection
+    # again, human output: every step has nothing to do; still one connection (or none: the OpenSSH transport's
+    # shared connection from the commands just before, defaults.ssh_persist)
     before = _accepted(x.tb, node)
     r = x.dfo("up", "-H", node, "-j", str(job), timeout=300)
-    assert _accepted(x.tb, node) - before == 1, r.stderr
+    assert _accepted(x.tb, node) - before in (0, 1), r.stderr
     assert r.returncode == 0, r.stderr
     assert f"{node}: sync-data: no change: 3 files" in r.stdout and f"{node}: stage-model: no change" in r.stdout
     assert r.stdout.endswith("line 000000\nline 000001\nline 000002\n"), r.stdout

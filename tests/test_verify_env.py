@@ -123,7 +123,8 @@ def test_pins_requirements_and_overrides(testbed, node_wheelhouse: str, tmp_path
     # the same venv with a deliberate override: a warning that quotes the reason, exit 0
     job.write_text(yaml.safe_dump({"name": "pins", "venv": venv,
                                    "packages": ["faketorch==2.11.0", "faketriton==3.7.0"],
-                                   "overrides": [{"package": "faketriton==3.7.0", "reason": "sm_120 autotuner fixes"}]}))
+                                   "overrides": [{"package": "faketriton==3.7.0",
+                                                  "reason": "sm_120 autotuner fixes"}]}))
     r = dfo(inv, "verify-env", "-H", node.name, "-j", str(job), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     h = json.loads(r.stdout)["hosts"][node.name]

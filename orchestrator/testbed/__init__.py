@@ -12,8 +12,8 @@ As root with `ip netns` (use_netns=None picks it when usable) each node is:
   /workspace bound from <workdir>/<node>/, a fresh tmpfs on /tmp, a tmpfs of `shm_size` on
   /dev/shm, and empty read-only tmpfs over the project checkout, the controller's Python prefix
   (when outside /usr) and the testbed workdir, so nothing passes by reading controller files.
-The S3 server (see testbed_s3) listens on the bridge address, reachable from nodes and controller.
-How sshd is configured and started lives in testbed_node; processes and namespaces in testbed_sys.
+The S3 server (see testbed/s3.py) listens on the bridge address, reachable from nodes and controller.
+How sshd is configured and started lives in testbed/node.py; processes and namespaces in testbed/system.py.
 
 Beyond the core API: tb.ssh(node, cmd) / tb.ssh_argv(node, *cmd) (the system ssh client with the testbed
 key, accept-new), tb.host_public_key(node), tb.isolated, tb.bridge_address, tb.timings, tb.vanish(node).
@@ -146,6 +146,7 @@ class Testbed:
     def start(self) -> Testbed:
         if self._started:
             return self
+        tsys.refuse_if_forbidden("a testbed")
         missing = self.missing_requirements(self.want_s3, self.use_netns)
         if missing:
             raise TestbedError("testbed cannot start: " + "; ".join(missing))
@@ -377,7 +378,7 @@ class Testbed:
         return tsys.namespace_pids(st.netns, tsys.node_namespaces(st.proc.pid if st.proc else None)) if st.netns else []
 
     def vanish(self, node: Node | str) -> list[int]:
-        """Gone like a reclaimed rented node: see testbed_sys.vanish_netns. Returns the pids killed."""
+        """Gone like a reclaimed rented node: see testbed/system.py vanish_netns. Returns the pids killed."""
         st = self._st(node)
         if not st.netns or st.proc is None:
             raise TestbedError(f"{st.node.name}: vanish needs a namespace node (root); this testbed is loopback")

@@ -152,8 +152,9 @@ class FaultProxy:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
                 pass
 
-            def _upstream(self, headers: dict[str, str], body: bytes | None) -> tuple[int, list[tuple[str, str]], bytes]:
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+            def _upstream(self, headers: dict[str, str], body: bytes | None) -> tuple[int, list[tuple[str, str]],
+                                                                                      bytes]:
+                conn = http.client.HTTPConnection(up.hostname or "127.0.0.1", up.port, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
@@ -250,7 +251,7 @@ class FaultProxy:
             def _whole(self, path: str, headers: dict[str, str]) -> bytes:
                 plain = {"host": up.netloc}
                 sign("GET", path, [], plain, creds, proxy.upstream.region)
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                conn = http.client.HTTPConnection(up.hostname or "127.0.0.1", up.port, timeout=60)
                 try:
                     conn.request("GET", path, headers=plain)
                     return conn.getresponse().read()

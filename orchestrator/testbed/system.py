@@ -29,6 +29,15 @@ class TestbedError(RuntimeError):
     __test__ = False  # not a pytest test class
 
 
+def refuse_if_forbidden(what: str) -> None:
+    """tests/conftest.py sets DFO_TESTBED_FORBIDDEN=<test id> while a test that is not marked testbed runs
+    (the unit lane, -m "not testbed", must not start one): starting one then is that test's bug."""
+    test = os.environ.get("DFO_TESTBED_FORBIDDEN")
+    if test:
+        raise TestbedError(f"{test} started {what} but is not marked testbed: use a testbed fixture, or mark it "
+                           "@pytest.mark.testbed (tests/conftest.py, test lanes)")
+
+
 def run(argv: Sequence[str], *, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a local command (never through a shell), capturing its output."""
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -4,7 +4,7 @@ Three transports: ``openssh.OpenSSH`` (the OpenSSH client, ``ssh``), ``ssh.Conne
 fabric and paramiko) and ``local.LocalConnection`` (bash on this machine, for running dfo on the GPU box
 itself). Callers use only what is here: ``run``, ``close``, ``reconnect``, ``name`` and ``host``;
 ``orchestrator.transport.open_connection`` picks the transport the inventory names (``transport: ssh``:
-OpenSSH when a usable client is on PATH, see ``ssh_transport`` there). This module imports neither
+OpenSSH when a usable client is on PATH, see ``resolve.ssh_transport``). This module imports neither
 paramiko nor fabric.
 
 Every remote command runs under ``sh``, whatever the node user's login shell is (sshd hands the command

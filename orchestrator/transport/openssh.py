@@ -33,12 +33,13 @@ import time
 from collections.abc import Callable
 
 from ..config.models import ResolvedHost
-from ..errors import HostError
+from ..errors import ConnectionLost, HostError
 from . import openssh_keys as keys
 from . import openssh_setup as setup
 from .base import Result, Transport, _Collector, _Tail, sh_command
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
+PERSIST_OFF_S = 5  # ssh_persist 0: how long a master outlives a dfo that could not end it (killed)
 AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
 SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
 
@@ -83,6 +84,8 @@ class OpenSSH(Transport):
         self._prep: keys.Prepared | None = None
         self._said_dead_master = False
         self._pass_over = False  # the user's own master does not answer: this transport no longer uses it
+        self._running: set[subprocess.Popen[bytes]] = set()  # the ssh of each call in flight
+        self._closed: set[subprocess.Popen[bytes]] = set()  # ... of those, the ones close() ended
 
     # ---------------------------------------------------------------- set-up
     def _prepared(self) -> keys.Prepared:
@@ -92,13 +95,39 @@ class OpenSSH(Transport):
             return self._prep
 
     def close(self) -> None:
+        """End the calls in flight (their ssh: they raise ConnectionLost, as on a closed paramiko
+        transport), forget this connection's set-up, and with ``ssh_persist: 0`` end the shared master."""
         with self._lock:
             prep, self._prep = self._prep, None
-        if prep is not None:
-            try:
-                keys.merge_new_keys(self.host, prep)
-            finally:
-                shutil.rmtree(prep.folder, ignore_errors=True)
+            running = list(self._running)
+            self._closed.update(running)
+        for proc in running:
+            _stop(proc)
+        if prep is None:
+            return
+        try:
+            keys.merge_new_keys(self.host, prep)
+        finally:
+            if self.host.ssh_persist <= 0 and prep.own_control and prep.control is not None:
+                _exit_master(prep)
+            shutil.rmtree(prep.folder, ignore_errors=True)
+
+    def reconnect(self) -> None:
+        """The connection is suspect (a stream went silent, a call lost it): the next calls go over a new
+        one. dfo's own master is let go (its socket removed: it ends on its own), a user's is passed over;
+        then a connection is made now, so that a host still unreachable raises here."""
+        with self._lock:
+            prep = self._prep
+        if prep is not None and prep.control is not None:
+            if prep.own_control:
+                try:
+                    os.unlink(prep.control)
+                except OSError:
+                    pass
+            else:
+                self._pass_over = True
+        self.close()
+        self.run("true", timeout=self.host.connect_timeout + 10)
 
     def _argv(self, prep: keys.Prepared, remote: str, fresh: bool) -> list[str]:
         argv = [prep.ssh, "-F", str(prep.config), "-T"]
@@ -109,7 +138,8 @@ class OpenSSH(Transport):
         if fresh:
             argv += ["-o", "ControlMaster=no", "-o", "ControlPath=none"]
         elif prep.own_control and prep.control is not None:
-            persist = max(1, round(self.host.ssh_persist))
+            # ssh_persist 0: shared while dfo runs (close() ends it), PERSIST_OFF_S at most after a killed dfo
+            persist = max(1, round(self.host.ssh_persist)) if self.host.ssh_persist > 0 else PERSIST_OFF_S
             argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={setup.q(setup.pct(str(prep.control)))}",
                      "-o", f"ControlPersist={persist}s"]
         return [*argv, "--", self.host.alias or self.host.hostname, remote]
@@ -157,6 +187,8 @@ class OpenSSH(Transport):
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         assert proc.stdout is not None and proc.stderr is not None
+        with self._lock:
+            self._running.add(proc)
         if payload is not None:
             assert proc.stdin is not None
             threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True,
@@ -206,9 +238,16 @@ class OpenSSH(Transport):
             _drain(efd, open_fds, err)
             for f in (proc.stdout, proc.stderr):
                 f.close()
+            with self._lock:
+                self._running.discard(proc)
+                closed = proc in self._closed
+                self._closed.discard(proc)
         out.flush()
         keys.merge_new_keys(self.host, prep)
         code = proc.returncode
+        if closed and err.code is None:
+            raise ConnectionLost("connection lost: the connection was closed while a command ran", host=self.name,
+                                 hint=LOST_HINT)
         if err.code is not None:
             return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
         text = err.text()
@@ -252,6 +291,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             pass
     except OSError:
+        pass
+
+
+def _exit_master(prep: keys.Prepared) -> None:
+    """Ask dfo's master to end now (``ssh -O exit``; a master that does not answer ends PERSIST_OFF_S later)."""
+    try:
+        subprocess.run([prep.ssh, "-F", str(prep.config), "-O", "exit", "-o",
+                        f"ControlPath={setup.q(setup.pct(str(prep.control)))}", "dfo-master"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3)
+    except (OSError, subprocess.TimeoutExpired):
         pass
 
 

@@ -138,8 +138,10 @@ def pct(value: str) -> str:
 
 def policy_lines(connect_timeout: float, interval: float, dead: float) -> list[str]:
     """dfo's rules for every hop (see the module's docstring). ServerAlive: a keepalive every
-    ``interval`` s that wants an answer; ssh gives up after CountMax unanswered ones (``dead``)."""
-    count = max(1, math.ceil(dead / max(1, round(interval))))
+    ``interval`` s that wants an answer; ssh gives up at the first one past CountMax unanswered, so
+    (CountMax + 1) x interval = ``dead`` (5 s and 20 s: 3), as the paramiko transport's liveness."""
+    every = max(1, round(interval))
+    count = max(1, math.ceil(dead / every) - 1)
     return [
         "  BatchMode yes",  # never a prompt: dfo has no terminal (passphrases: ssh-agent)
         "  StrictHostKeyChecking accept-new",  # a new host's key is recorded; a changed one refused
@@ -147,7 +149,7 @@ def policy_lines(connect_timeout: float, interval: float, dead: float) -> list[s
         "  UpdateHostKeys no",  # ssh never rewrites dfo's known_hosts
         "  CheckHostIP no",  # one line per host name, not name + address
         f"  ConnectTimeout {max(1, math.ceil(connect_timeout))}",
-        f"  ServerAliveInterval {max(1, round(interval))}",
+        f"  ServerAliveInterval {every}",
         f"  ServerAliveCountMax {count}",
         "  RequestTTY no",
         "  RemoteCommand none",

@@ -4,8 +4,8 @@ All SSH options live here, in one commented place:
 
 * one connection per host per dfo command, reused for every remote call (``Connection``);
 * the connection is a ``fabric.Connection``; ssh_config is fabric's loading
-  (config.ssh_configuration: $DFO_SSH_CONFIG, else ~/.ssh/config and /etc/ssh/ssh_config). The
-  target's HostName/Port/User/IdentityFile are resolved by config.resolve_host (the inventory's
+  (resolve.ssh_configuration: $DFO_SSH_CONFIG, else ~/.ssh/config and /etc/ssh/ssh_config). The
+  target's HostName/Port/User/IdentityFile are resolved by resolve.resolve_host (the inventory's
   own values win over ssh_config, which wins over the inventory's defaults);
 * ProxyJump ``a,b`` (inventory or ssh_config) goes through a, then b, as OpenSSH does: a chain of
   fabric gateway Connections (``_Hop``), each hop resolved through ssh_config (its HostName, Port,
@@ -46,12 +46,13 @@ from typing import Any
 import fabric
 import paramiko
 
-from ..config.models import ResolvedHost, ssh_configuration
+from ..config.models import ResolvedHost
 from ..errors import AuthFailed, ConnectionLost, DfoError, HostError
 from .base import Result, Transport, _Collector, _Tail, sh_command
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 from .liveness import bounds as liveness_bounds
+from .resolve import ssh_configuration
 
 __all__ = ["LOST_HINT", "Connection", "Result", "Transport", "_Collector", "fingerprint"]
 
@@ -164,14 +165,16 @@ class _Hop(fabric.Connection):
             raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
         except TimeoutError:
             raise HostError(f"{name} did not answer within {h.connect_timeout:g}s", host=h.name,
-                            hint="is the node up and the port right? (defaults.connect_timeout sets the limit)") from None
+                            hint="is the node up and the port right? "
+                                 "(defaults.connect_timeout sets the limit)") from None
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
             if any(getattr(e, "errno", None) == errno.EHOSTUNREACH for e in exc.errors.values()):
                 raise HostError(f"{name} is unreachable (no route to host)", host=h.name,
                                 hint="is the node up and its address right? (a link that just came back can "
                                      "take a few seconds)") from None
             raise HostError(f"{name} refused the connection", host=h.name,
-                            hint="is sshd running there, and is the port right (inventory port / ~/.ssh/config Port)?") from None
+                            hint="is sshd running there, and is the port right "
+                                 "(inventory port / ~/.ssh/config Port)?") from None
         except paramiko.SSHException as exc:
             if str(exc) in ("No authentication methods available", "No existing session"):
                 raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
@@ -252,7 +255,7 @@ class Connection(Transport):
             gateway = _jump_chain(h.proxy_jump, config, h, 0) or False
         elif h.proxy_command:
             gateway = h.proxy_command
-        # the target itself is not looked up in ssh_config again (config.resolve_host did that)
+        # the target itself is not looked up in ssh_config again (resolve.resolve_host did that)
         bare = fabric.Config(ssh_config=paramiko.SSHConfig(), lazy=True)
         return _Hop(h.hostname, host=h, config=bare, gateway=gateway, user=h.user, port=h.port)
 
@@ -332,7 +335,7 @@ class Connection(Transport):
             if stdin is not None:
                 # a memoryview: paramiko's sendall slices what is left after every packet, which
                 # copies a bytes payload again each time (quadratic: 43 MB took 25 s, now 0.9 s)
-                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))
+                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))  # type: ignore[arg-type]  # paramiko takes any buffer; its stubs say bytes
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if not transport.is_active():
