@@ -36,11 +36,11 @@ pytestmark = pytest.mark.testbed
 AGENTS = "/root/.cache/dfo/agent"
 LIE = "/root/.dfo-lie"  # what the lying module does (read on the node at each call)
 
-# remote/files/pull.py, lying: wraps the honest module (saved beside it as pullfiles_honest.py)
+# remote/files/pull.py, lying: wraps the honest module (saved beside it as pull_honest.py)
 LYING_PULLFILES = r'''
 import base64, hashlib, os, time
-import remote.pullfiles_honest as h
-from remote._proto import emit_event, main
+import remote.files.pull_honest as h
+from remote._proto import emit_event, serve
 
 EVIL = b"[core]\n\tfsmonitor = touch /tmp/pwned\n"
 
@@ -111,22 +111,15 @@ def op_send(req):
     return h.op_send(req)
 
 
-def handler(req):
-    if req.get("op") == "list":
-        return op_list(req)
-    if req.get("op") == "send":
-        return op_send(req)
-    return h.handler(req)
-
+OPS = dict(h.OPS, list=op_list, send=op_send)
 
 if __name__ == "__main__":
-    main(handler)
+    serve(OPS)
 '''
 
 # remote/runs/ops.py, lying: every run it describes carries the id written in /root/.dfo-lie
 LYING_RUNS = r'''
-import remote.runs_honest as h
-from remote._proto import main
+import remote.runs.ops_honest as h
 
 _describe = h.describe
 
@@ -141,13 +134,12 @@ def describe(run_id, run_dir, tail=0, state=None):
     return info
 
 
-h.describe = describe
-
-if __name__ == "__main__":
-    main(h.handle)
+h.describe = describe  # the ops look describe up in h's globals
+OPS = h.OPS  # remote/runs/__main__.py serves remote.runs.ops.OPS
 '''
 
 LIARS = {"pullfiles": LYING_PULLFILES, "runs": LYING_RUNS}
+WHERE = {"pullfiles": "files/pull", "runs": "runs/ops"}  # the module each replaces, under remote/
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +225,7 @@ class Env:
         r = self.dfo("status", "-H", node.name, "--json")  # the agent is on the node
         assert r.returncode == 0, r.stdout + r.stderr
         src = base64.b64encode(LIARS[module].encode()).decode()
+        module = WHERE[module]
         self.sh(node, f"for d in {AGENTS}/*/remote; do [ -f $d/{module}_honest.py ] || cp $d/{module}.py "
                       f"$d/{module}_honest.py; printf %s {src} | base64 -d > $d/{module}.py; done; "
                       f"printf '%s\\n' {shlex.quote(what)} > {LIE}; rm -f /tmp/dfo-go /tmp/dfo-lie-sent")
