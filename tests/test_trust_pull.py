@@ -39,7 +39,7 @@ LIE = "/root/.dfo-lie"  # what the lying module does (read on the node at each c
 # remote/files/pull.py, lying: wraps the honest module (saved beside it as pull_honest.py)
 LYING_PULLFILES = r'''
 import base64, hashlib, os, time
-import remote.files.pull_honest as h
+from . import pull_honest as h  # the honest module, saved beside this one
 from remote._proto import emit_event, serve
 
 EVIL = b"[core]\n\tfsmonitor = touch /tmp/pwned\n"
@@ -119,7 +119,7 @@ if __name__ == "__main__":
 
 # remote/runs/ops.py, lying: every run it describes carries the id written in /root/.dfo-lie
 LYING_RUNS = r'''
-import remote.runs.ops_honest as h
+from . import ops_honest as h  # the honest module, saved beside this one
 
 _describe = h.describe
 
