@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,13 +44,25 @@ def dfo_argv(code: Path) -> list[str]:
             "sys.argv[0] = 'dfo'; sys.exit(main())"]
 
 
-def timed(argv: list[str], env: dict[str, str], stdout: Path | None = None) -> float:
-    t0 = time.perf_counter()
+CPU: dict[str, list[float]] = {}  # what -> CPU seconds (user + system) of the processes this bench started
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def timed(argv: list[str], env: dict[str, str], stdout: Path | None = None, what: str = "") -> float:
+    """Wall seconds of one run; its CPU (this machine's side: dfo's Python and its ssh client, or the
+    peer's ssh client; not a ControlMaster that outlives the call, nor the node's side) goes to CPU."""
+    t0, c0 = time.perf_counter(), _children_cpu()
     with open(stdout, "wb") if stdout is not None else open(os.devnull, "wb") as out:
         r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, env=env, timeout=900, stdin=subprocess.DEVNULL)
     dt = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"pull_bench: {' '.join(argv)} exited {r.returncode}: {r.stderr.decode()[-600:]}")
+    if what:
+        CPU.setdefault(what, []).append(_children_cpu() - c0)
     return dt
 
 
@@ -136,7 +149,8 @@ def main() -> None:
                 count[0] += 1
                 to = dest / f"pull-{count[0]}"
                 try:
-                    return timed([*dfo, "-i", str(inv), "pull", "-H", node.name, run, "--to", str(to)], env)
+                    return timed([*dfo, "-i", str(inv), "pull", "-H", node.name, run, "--to", str(to)], env,
+                                 what=f"dfo pull ({inv.stem.split('-')[-1]})")
                 finally:
                     shutil.rmtree(to, ignore_errors=True)
 
@@ -147,7 +161,7 @@ def main() -> None:
 
             def cat() -> float:
                 try:
-                    return timed(ssh, env, stdout=peer_file)
+                    return timed(ssh, env, stdout=peer_file, what="ssh HOST cat FILE > file")
                 finally:
                     peer_file.unlink(missing_ok=True)
 
@@ -155,6 +169,11 @@ def main() -> None:
                 results.append(pair(f"{args.mib} MiB file: dfo pull ({t}) vs ssh HOST cat FILE > file",
                                     (f"dfo pull ({t})", lambda inv=inv: pull(inv)),  # type: ignore[misc]
                                     ("ssh HOST cat FILE > file", cat), args.n, nbytes))
+            print("CPU seconds on this machine's side per run (median; the node's side and a ControlMaster are "
+                  "not counted):")
+            for what, secs in CPU.items():
+                med = statistics.median(secs)
+                print(f"  {what:44} {med:6.2f} s  ({med / (nbytes / 2**30):.2f} s per GiB)")
             if args.parallel:
                 results.append(parallel(tb, node, cfg, work, workdir, nbytes, env, args.n))
             load = os.getloadavg()
@@ -162,7 +181,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        args.out.write_text(json.dumps({"results": results, "load": os.getloadavg()}, indent=1))
+        args.out.write_text(json.dumps({"results": results, "cpu": CPU, "load": os.getloadavg()}, indent=1))
 
 
 def parallel(tb: Testbed, node: object, cfg: Path, work: Path, workdir: str, nbytes: int, env: dict[str, str],
