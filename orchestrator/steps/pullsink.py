@@ -32,6 +32,7 @@ from remote.lib.fsutil import FILE_FLAGS, write_atomic
 from ..errors import VerifyError
 
 MANIFEST = "pull-manifest.json"
+READ_BACK = 4 << 20  # the read-back's buffer
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -397,14 +398,15 @@ class Sink:
     def _read_back(self, rel: str) -> tuple[int, str]:
         h = hashlib.sha256()
         n = 0
+        buf = memoryview(bytearray(READ_BACK))  # one buffer for the whole file: no allocation per read
         fd = os.open(self.part(rel), os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
         try:
             while True:
-                buf = os.read(fd, 8 << 20)
-                if not buf:
+                got = os.readv(fd, [buf])
+                if not got:
                     return n, h.hexdigest()
-                h.update(buf)
-                n += len(buf)
+                h.update(buf[:got])
+                n += got
         finally:
             os.close(fd)
 
