@@ -186,15 +186,22 @@ def main() -> None:
 
 def parallel(tb: Testbed, node: object, cfg: Path, work: Path, workdir: str, nbytes: int, env: dict[str, str],
              n: int) -> dict[str, object]:
-    """1 ssh cat of the whole file against k at once, each its own connection, each a 1/k range (dd)."""
-    def ranges(k: int) -> float:
+    """1 ssh of the whole file against k at once, each a 1/k range (dd): each its own connection, or each
+    a channel of one shared connection (ControlMaster, as dfo's OpenSSH transport shares one)."""
+    control = work / "cm"
+    master = tb.ssh_argv(node, known_hosts=work / "peer_known_hosts")  # type: ignore[arg-type]
+    master[1:1] = ["-F", str(cfg), "-o", "ControlMaster=yes", "-o", f"ControlPath={control}", "-N", "-f"]
+    subprocess.run(master, check=True, env=env, timeout=60)
+
+    def ranges(k: int, shared: bool = False) -> float:
         part = nbytes // k
         procs = []
         t0 = time.perf_counter()
         for j in range(k):
             cmd = f"dd if={workdir}/big.bin bs=1M skip={j * part >> 20} count={part >> 20} status=none"
             argv = tb.ssh_argv(node, cmd, known_hosts=work / "peer_known_hosts")  # type: ignore[arg-type]
-            argv[1:1] = ["-F", str(cfg), "-o", "ControlMaster=no", "-o", "ControlPath=none"]
+            argv[1:1] = ["-F", str(cfg), "-o", "ControlMaster=no", "-o",
+                         f"ControlPath={control}" if shared else "ControlPath=none"]
             out = open(work / f"range-{j}", "wb")
             procs.append((subprocess.Popen(argv, stdout=out, stderr=subprocess.DEVNULL, env=env), out))
         for p, out in procs:
@@ -208,9 +215,14 @@ def parallel(tb: Testbed, node: object, cfg: Path, work: Path, workdir: str, nby
 
     res = {}
     for k in (2, 4):
-        res[k] = pair(f"parallel streams: {k} ssh channels (separate connections) vs 1",
-                      ("1 ssh", lambda: ranges(1)), (f"{k} ssh at once", lambda k=k: ranges(k)),  # type: ignore[misc]
-                      n, nbytes)
+        res[f"{k} connections"] = pair(
+            f"parallel streams: {k} ssh connections vs 1", ("1 ssh", lambda: ranges(1)),
+            (f"{k} ssh at once", lambda k=k: ranges(k)), n, nbytes)  # type: ignore[misc]
+        res[f"{k} channels"] = pair(
+            f"parallel streams: {k} channels of one shared connection vs 1", ("1 channel", lambda: ranges(1, True)),
+            (f"{k} channels at once", lambda k=k: ranges(k, True)), n, nbytes)  # type: ignore[misc]
+    subprocess.run(master[:1] + ["-o", f"ControlPath={control}", "-O", "exit", "x"], env=env, capture_output=True,
+                   timeout=30)
     return {"what": "parallel", "k": res}
 
 

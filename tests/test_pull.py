@@ -136,6 +136,22 @@ def test_pull_resumes_and_checks_the_whole_file(penv: PullEnv, tmp_path: Path) -
     assert list(parts.glob("*.part")) == []
 
 
+@pytest.mark.usefixtures("each_ssh_transport")
+def test_pull_streams_raw_bytes_on_each_ssh_transport(penv: PullEnv, tmp_path: Path) -> None:
+    """The raw stream on the OpenSSH and the paramiko transport: an empty file, a file of an odd size
+    (not a whole number of records) and the rest arrive as the node has them, each checked."""
+    wd = penv.workdir
+    r = penv.tb.node_exec(penv.node, f": > {wd}/out/empty.bin && head -c 5000001 /dev/urandom > {wd}/out/odd.bin")
+    assert r.returncode == 0, r.stderr
+    to = tmp_path / "got"
+    got = penv.pull(penv.run, "out", "--to", str(to))
+    rels = ["out/ckpt.bin", "out/empty.bin", "out/odd.bin", "out/sub/with space 'q' $(x).txt"]
+    assert got["fetched"] == 4 and got["bytes"] == (3 << 20) + 5000001 + 4, got
+    for rel in rels:
+        assert sha(to / rel) == penv.node_sha(rel), rel
+    assert (to / "out/empty.bin").stat().st_size == 0
+
+
 OUT_WRITER = """\
 import os, sys
 os.makedirs(os.path.join(sys.argv[1], "sub"), exist_ok=True)
