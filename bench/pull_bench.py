@@ -1,16 +1,18 @@
 """dfo pull of one big file against `ssh HOST cat FILE > file` (issue 23): timed alternately, same run.
 
     python bench/pull_bench.py [-n 3] [--mib 1024] [--code DIR] [--transports openssh,paramiko]
-                               [--parallel] [--out FILE]
+                               [--parallel] [--parts] [--out FILE]
 
 One testbed node (real sshd in its own network namespace, on this machine). A run on the node writes
 one file of --mib MiB of random bytes. Then, for each transport, N times in turn after one warm-up of
 each: `dfo pull -H node RUN --to <fresh folder>` (end to end: its status and list calls, the transfer,
 fsync, the sha256 read back from disk) and `ssh -F <the same ssh_config> ... HOST cat FILE > file` (the
-system client, its own connection each time). Best and median wall time of each, their ratio (peer
+system client, its own connection each time; dfo's shared connection is up from the warm-up, as it is
+for a user within ssh_persist). Best and median wall time of each, their ratio (peer
 time / dfo time: 1.0x means as fast as ssh cat; the goal is >= 0.8x) and MB/s.
 
-``--code DIR``: run the dfo of another checkout (its orchestrator/ and remote/), e.g. main's, for a
+``--parts``: only the CPU per GiB of dfo's own two stages (the node's send, the controller's reader),
+without SSH. ``--code DIR``: run the dfo of another checkout (its orchestrator/ and remote/), e.g. main's, for a
 "before" figure from the same machine. ``--parallel``: also time 1, 2 and 4 `ssh cat` of ranges of the
 file at once (each its own connection) against one: does a second SSH channel buy anything here?
 """
@@ -88,6 +90,57 @@ def pair(name: str, a: tuple[str, Callable[[], float]], b: tuple[str, Callable[[
     return out
 
 
+NODE_SIDE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from remote.files import pull
+st = os.stat(sys.argv[2])
+pull.op_send({"op": "send", "root": os.path.dirname(sys.argv[2]), "nonce": "ab" * 16, "files": [
+    {"path": os.path.basename(sys.argv[2]), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "offset": 0}]})
+"""
+
+
+def parts(mib: int) -> None:
+    """CPU per GiB of each of this checkout's own stages, each in its own process here (no SSH): the
+    node's send (read, sha256, write the records) into a pipe, and the controller's reader (records
+    into the partial file, fsync, read back, sha256, rename) fed from that pipe. CPU time, not wall:
+    the machine's load does not change it much."""
+    from orchestrator.steps.pullsink import PullDir, Sink
+    from orchestrator.steps.pullwire import RawReader
+
+    work = Path(tempfile.mkdtemp(prefix="dfo-pullparts-"))
+    try:
+        src = work / "src.bin"
+        with open(src, "wb") as f:
+            for _ in range(mib):
+                f.write(os.urandom(1 << 20))
+        st = src.stat()
+        d = PullDir(work / "dest", [], "bench")
+        sink = Sink(d, [{"path": "x.bin", "size": st.st_size, "mtime_ns": st.st_mtime_ns, "offset": 0}], {}, False,
+                    lambda: None)
+        reader = RawReader("ab" * 16, sink, "bench")
+        c0, r0 = _children_cpu(), resource.getrusage(resource.RUSAGE_SELF)
+        proc = subprocess.Popen([sys.executable, "-c", NODE_SIDE, str(ROOT), str(src)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        while True:
+            chunk = os.read(proc.stdout.fileno(), 1 << 20)
+            if not chunk:
+                break
+            reader.feed(chunk)
+        proc.wait()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        d.close()
+        if sink.done != 1:
+            raise SystemExit(f"pull_bench: the parts run did not place the file ({sink.bad})")
+        gib = mib / 1024
+        node = (_children_cpu() - c0) / gib
+        ctl_user, ctl_sys = (r1.ru_utime - r0.ru_utime) / gib, (r1.ru_stime - r0.ru_stime) / gib
+        print(f"CPU per GiB of dfo's own stages (no SSH): node send {node:.2f} s, controller reader "
+              f"{ctl_user + ctl_sys:.2f} s ({ctl_user:.2f} user, {ctl_sys:.2f} system)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=3)
@@ -95,8 +148,12 @@ def main() -> None:
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose dfo is timed (default: this one)")
     ap.add_argument("--transports", default="openssh,paramiko")
     ap.add_argument("--parallel", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="only the CPU per GiB of dfo's own stages, without SSH")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.parts:
+        parts(args.mib)
+        return
     work = Path(tempfile.mkdtemp(prefix="dfo-pullbench-"))
     env = dict(os.environ, COLUMNS="200")
     cfg = work / "ssh_config"  # no ~/.ssh: the bench's own user config, read by dfo and by the peer's ssh
