@@ -40,7 +40,7 @@ LIE = "/root/.dfo-lie"  # what the lying module does (read on the node at each c
 # its lies in the raw stream's own records (remote/files/pull.py, "The raw stream"), with h._Raw
 LYING_PULLFILES = r'''
 import hashlib, os, time
-import remote.files.pull_honest as h
+from . import pull_honest as h  # the honest module, saved beside this one
 from remote._proto import serve
 
 EVIL = b"[core]\n\tfsmonitor = touch /tmp/pwned\n"
@@ -135,7 +135,7 @@ if __name__ == "__main__":
 
 # remote/runs/ops.py, lying: every run it describes carries the id written in /root/.dfo-lie
 LYING_RUNS = r'''
-import remote.runs.ops_honest as h
+from . import ops_honest as h  # the honest module, saved beside this one
 
 _describe = h.describe
 
