@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import time
@@ -134,6 +135,23 @@ def test_pull_resumes_and_checks_the_whole_file(penv: PullEnv, tmp_path: Path) -
     assert r["resumed"] == 1 and r["bytes"] == (400 << 20) - have
     assert sha(to / "out/big.bin") == penv.node_sha("out/big.bin")
     assert list(parts.glob("*.part")) == []
+
+
+@pytest.mark.usefixtures("each_ssh_transport")
+def test_pull_streams_raw_bytes_on_each_ssh_transport(penv: PullEnv, tmp_path: Path) -> None:
+    """The raw stream on the OpenSSH and the paramiko transport: an empty file, a file of an odd size
+    (not a whole number of records) and the rest arrive as the node has them, each checked."""
+    wd = penv.workdir
+    r = penv.tb.node_exec(penv.node, f": > {wd}/out/empty.bin && head -c 5000001 /dev/urandom > {wd}/out/odd.bin")
+    assert r.returncode == 0, r.stderr
+    to = tmp_path / "got"
+    got = penv.pull(penv.run, "out", "--to", str(to))
+    rels = ["out/ckpt.bin", "out/empty.bin", "out/odd.bin", "out/sub/with space 'q' $(x).txt"]
+    assert got["fetched"] == 4 and got["bytes"] == (3 << 20) + 5000001 + 4, got
+    for rel in rels:
+        r = penv.tb.node_exec(penv.node, f"sha256sum {shlex.quote(f'{wd}/{rel}')}")
+        assert r.returncode == 0 and sha(to / rel) == r.stdout.split()[0], rel
+    assert (to / "out/empty.bin").stat().st_size == 0
 
 
 OUT_WRITER = """\
