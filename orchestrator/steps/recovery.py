@@ -73,6 +73,8 @@ def _signal_of(info: runs.RunInfo) -> str | None:
         return f"signal {code - 128} (exit {code})"
     if info.state == "lost":
         return "the run's processes vanished (no end recorded)"
+    if info.state == "missing":
+        return "the node answers but has no such run (a reboot, a wiped disk?)"
     return None
 
 
@@ -273,7 +275,7 @@ class Watcher:
             info = box.get("info")
             err = box.get("error")
             if err is not None and err.exit_code == EXIT_USAGE:  # it answered: no such run there (any more)
-                info, box = runs.RunInfo(id=run_id, state="lost"), {"info": True}
+                info, box = runs.RunInfo(id=run_id, state="missing"), {"info": True}
             if "info" in box and info is not None:
                 out[h] = info
                 self.since.pop(h, None)
@@ -353,6 +355,7 @@ class Watcher:
         if v.kind in ("done", "stopped", "fail"):
             state = {"done": "succeeded", "stopped": "stopped", "fail": "failed"}[v.kind]
             code = 0
+            results = self._last_passes(hosts, str(doc.get("run")), results)
             if v.kind == "done":
                 failed = [h for h, r in results.items() if r is not None and r.outputs_failed()]
                 if failed:
@@ -385,6 +388,20 @@ class Watcher:
         self.say(f"watch: {v.detail}: restart {done + 1}/{self.policy.max} as generation {new_gen}"
                  + (f" after {wait:.0f}s (backoff)" if wait else ""))
         return None
+
+    def _last_passes(self, hosts: list[str], run_id: str, results: dict[str, runs.RunInfo | None]
+                     ) -> dict[str, runs.RunInfo | None]:
+        """The runs once their last outputs pass has finished (or STOP_WAIT_S passed): the end is told
+        only when what the trainer left is in S3."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            busy = [h for h, r in results.items() if r is not None and r.state != "running" and r.outputs
+                    and r.outputs.get("state") not in ("done", "failed")]
+            if not busy:
+                break
+            time.sleep(1.0)
+            results.update({h: r for h, r in self.look(busy, run_id).items() if r is not None})
+        return results
 
     # ------------------------------------------------------------------ one recovery, phase by phase
     def recover(self, doc: dict[str, Any], etag: str | None) -> tuple[dict[str, Any], str | None]:
@@ -508,7 +525,8 @@ class Watcher:
         fields["restarts"] = list(doc.get("restarts") or []) + [entry]
         with self.session(hosts) as sess:
             existing = self.look(hosts, run_id)
-            if not any(existing.values()):  # a watcher killed after the launch would find it here
+            # a watcher killed after the launch finds the new run here, and does not launch it twice
+            if not any(v is not None and v.state != "missing" for v in existing.values()):
                 plan = None
                 if is_gang(self.job):
                     try:
