@@ -269,3 +269,53 @@ def test_a_watcher_killed_mid_recovery_finishes_it_when_started_again(make_testb
     assert len(rec["restarts"]) == 1 and rec["restarts"][0]["spare"] == spare.name, rec  # one recovery, not two
     assert "restart 1/2" not in out  # the second watcher did not decide a new one: it finished the first
     bed.final_checks(spare)
+
+
+PARTITION_S = float(os.environ.get("DFO_TEST_PARTITION_S") or 15)  # the issue's 90 s, shortened (configurable)
+
+
+@pytest.mark.timeout(600)
+def test_a_partitioned_node_that_comes_back_is_fenced(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """The node's link is cut (its packets dropped) for PARTITION_S seconds: the watcher replaces it by the
+    spare; when the link comes back, the old trainer is still running, and its shipper's check before the
+    next upload finds generation 2: nothing is uploaded, and the old trainer is stopped."""
+    tb = make_testbed(nodes=2, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a link cannot be cut")
+    a, spare = tb.nodes
+    bed: Bed = bed_factory(tb, "partition", spares=[spare.name],
+                           restarts={"max": 2, "backoff": 0, "lost_after": 4})
+    slow = yaml.safe_load(bed.job.read_text())  # 0.1 s a step: the old trainer outlives the partition
+    slow["run"]["command"] = slow["run"]["command"].replace("--sleep 0.05", f"--sleep {max(0.15, PARTITION_S / 100)}")
+    bed.job.write_text(yaml.safe_dump(slow, sort_keys=False))
+    up = bed.start("up.log", "up", "-H", a.name, "-j", bed.job.name, "--watch")
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= 2 * SAVE, 240, [up])
+    run1 = bed.record()["run"]
+    tb.link_down(a)
+    try:
+        bed.wait("generation 2 on the spare", lambda: bed.record().get("run") != run1 and
+                 bed.record().get("state") == "running", 120 + PARTITION_S, [up])
+        t_gen2 = time.time()  # the partition lasts PARTITION_S in all (at least)
+        time.sleep(max(0.0, PARTITION_S - 4))
+    finally:
+        tb.link_up(a)
+    # the old node: its trainer was still running; it learns of generation 2 and stops, uploading nothing
+    def old_run() -> dict[str, Any] | None:
+        r = tb.ssh(a, f"cat /workspace/.dfo/runs/{run1}/outputs.json /workspace/.dfo/runs/{run1}/stop.json "
+                      f"2>/dev/null; echo; cat /workspace/.dfo/runs/{run1}/end.json 2>/dev/null", timeout=30)
+        return {"text": r.stdout} if r.returncode == 0 and "superseded by generation 2" in r.stdout else None
+
+    got = bed.wait("the old node fenced", old_run, 120, [up])
+    assert '"stopped": true' in got["text"], got["text"]
+    out_doc = json.loads(tb.ssh(a, f"cat /workspace/.dfo/runs/{run1}/outputs.json").stdout)
+    last = out_doc["last_pass"]
+    assert last["ok"] is False and "superseded" in last["error"], last
+    # every pass after generation 2 began shipped nothing: passes that shipped ended before it
+    assert out_doc["final"] is None or out_doc["final"]["files"] == 0, out_doc["final"]
+    code = bed.finish(up, 300)
+    out = bed.out("up.log")
+    assert code == 0, out[-4000:]
+    rec = bed.record()
+    assert rec["generation"] == 2 and rec["state"] == "succeeded" and rec["hosts"] == [spare.name], rec
+    bed.final_checks(spare)
+    assert t_gen2 > 0

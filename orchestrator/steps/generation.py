@@ -92,3 +92,17 @@ def begin(loaded: LoadedJob, run_id: str, hosts: list[str]) -> dict[str, Any]:
         return out
     raise VerifyError(f"generation record {where.url}: it kept changing while this launch tried to write it",
                       hint="is a dfo watch or another launch of this job running? try again")
+
+
+def story(g: dict[str, Any] | None) -> str | None:
+    """status's line for a recovering run: its generation and who replaced whom (None: no generation)."""
+    if not g:
+        return None
+    rs = list(g.get("restarts") or [])
+    text = f"generation {g.get('generation')} of run {g.get('lineage')}; restarts: {len(rs)}"
+    for r in rs:
+        who = f"{r.get('lost_host')} lost, {r.get('spare')} took its place" if r.get("lost_host") else str(
+            r.get("detail") or r.get("why"))
+        step = r.get("resumed_step")
+        text += f"; [{r.get('at')}] {who}" + (f", resumed at step {step}" if step is not None else "")
+    return text

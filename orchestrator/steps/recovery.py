@@ -167,6 +167,7 @@ class Probe:
 
     thread: threading.Thread
     box: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
 
 class Watcher:
@@ -284,7 +285,7 @@ class Watcher:
                 if "error" in box and self.since.get(h) is None:
                     self.say(f"watch: {h}: no answer ({box['error'].message}); lost after "
                              f"{self.policy.lost_after:.0f}s without one")
-                self.since.setdefault(h, now)
+                self.since.setdefault(h, min(now, self.probes[h].started))  # silent since the look began
         return out
 
     # ------------------------------------------------------------------ the loop
