@@ -319,3 +319,38 @@ def test_a_partitioned_node_that_comes_back_is_fenced(make_testbed: MakeTestbed,
     assert rec["generation"] == 2 and rec["state"] == "succeeded" and rec["hosts"] == [spare.name], rec
     bed.final_checks(spare)
     assert t_gen2 > 0
+
+
+@pytest.mark.timeout(600)
+def test_a_gang_loses_rank_0_and_a_spare_takes_its_rank(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """A 2-node gang plus one spare: rank 0's node vanishes; the other node's run is stopped, the spare is
+    brought to parity and takes rank 0, the gang relaunches (preflight, fresh rendezvous) and resumes from
+    the last shipped checkpoint (rank 0 saves; the other rank only counts)."""
+    tb = make_testbed(nodes=3, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a node has no namespace to vanish")
+    a, b, spare = tb.nodes
+    bed: Bed = bed_factory(tb, "gang-lost", spares=[spare.name],
+                           restarts={"max": 2, "backoff": 0, "lost_after": 4})
+    (bed.tmp / "trainer" / "train.py").write_text(TRAINER.replace(
+        "def save():\n", "def save():\n    if os.environ.get('DFO_NODE_RANK', '0') != '0':\n        return\n"))
+    doc = yaml.safe_load(bed.job.read_text())
+    doc["run"]["nodes"] = 2
+    bed.job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    up = bed.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bed.job.name, "--watch")
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= 3 * SAVE, 300, [up])
+    before = bed.shipped_step()
+    tb.vanish(a)
+    code = bed.finish(up, 400)
+    out = bed.out("up.log")
+    assert code == 0, out[-4000:]
+    rec = bed.record()
+    assert rec["state"] == "succeeded" and rec["generation"] == 2, rec
+    assert rec["hosts"] == [spare.name, b.name], rec  # the spare in the lost node's rank
+    (r,) = rec["restarts"]
+    assert (r["why"], r["lost_host"], r["spare"]) == ("lost", a.name, spare.name), r
+    assert r["resumed_step"] is not None and r["resumed_step"] >= before, (r, before)
+    bed.final_checks(spare)
+    st = bed.run("status", "-H", f"{spare.name},{b.name}", rec["run"])
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert f"{a.name} lost, {spare.name} took its place" in st.stdout, st.stdout
