@@ -558,8 +558,9 @@ class Watcher:
                     if o.value is not None and o.value.restore:
                         self.say(f"watch: {o.host}: restore: {o.value.restore.get('fetched')} file(s) from "
                                  f"{o.value.restore.get('source')}")
+        restarts = fields["restarts"][:-1] + [dict(entry, launched_ts=time.time())]
         new = dict(doc, state="running", run=run_id, hosts=hosts, generation=rec["generation"],
-                   restarts=fields["restarts"], recovery=None)
+                   restarts=restarts, recovery=None)
         try:
             written, etag2 = self._write(new, etag)
         except gen.Conflict:
