@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,15 @@ STEPS = 400  # 0.05 s each: about 20 s of training, a checkpoint every 20 steps 
 SAVE = 20
 BUCKET = "recovery"
 TRAINER = STAND_IN.replace(
+    "a = p.parse_args()\n",
+    "a = p.parse_args()\nimport signal\nstop = []\nsignal.signal(signal.SIGTERM, lambda s, f: stop.append(s))\n",
+).replace(
+    "while step < a.max_steps:\n", "while step < a.max_steps and not stop:\n",
+).replace(
+    'print("done: %d steps" % step, flush=True)',
+    'if stop:\n    save()\n    print("stopped at step %d" % step, flush=True)\n    raise SystemExit(0)\n'
+    'print("done: %d steps" % step, flush=True)',
+).replace(
     'p.add_argument("--sleep", type=float, required=True)',
     'p.add_argument("--sleep", type=float, required=True)\np.add_argument("--fail-at", type=int, default=0)',
 ).replace(
@@ -354,3 +364,26 @@ def test_a_gang_loses_rank_0_and_a_spare_takes_its_rank(make_testbed: MakeTestbe
     st = bed.run("status", "-H", f"{spare.name},{b.name}", rec["run"])
     assert st.returncode == 0, st.stdout + st.stderr
     assert f"{a.name} lost, {spare.name} took its place" in st.stdout, st.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_planned_stop_loses_no_step(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """The trainer's side of a graceful stop: on SIGTERM it saves, and the run's last pass ships that
+    checkpoint (dfo stop waits for it): the step in S3 is the step the trainer stopped at."""
+    tb = make_testbed(nodes=1, s3=True)
+    (a,) = tb.nodes
+    bed: Bed = bed_factory(tb, "planned-stop", spares=[], restarts={"max": 1})
+    up = bed.run("up", "-H", a.name, "-j", bed.job.name, "--no-tail", timeout=240)
+    assert up.returncode == 0, up.stdout + up.stderr
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= SAVE, 120)
+    run = bed.record()["run"]
+    r = bed.run("stop", "-H", a.name, run, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = tb.ssh(a, f"cat /workspace/.dfo/runs/{run}/log").stdout
+    stopped = [int(x) for x in re.findall(r"^stopped at step (\d+)$", log, re.M)]
+    assert stopped, log[-2000:]
+    data = bed.obj(bed.key)
+    assert data is not None
+    doc = json.loads(data)
+    assert doc["step"] == stopped[0] and doc["state"] == stand_in_state(stopped[0]), (doc["step"], stopped)
+    assert hashlib.sha256(data).hexdigest() == bed.node_sha(a)
