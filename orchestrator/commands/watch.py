@@ -29,8 +29,9 @@ def watch(ctx: click.Context, hosts: tuple[str, ...], job_path: str, run: str | 
 @job_option()
 @click.pass_context
 def watch_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_path: str) -> int:
-    """Watch a running run of JOB and recover it, until it succeeds or fails for good.
+    """Watch a running run and recover it: a lost node replaced by a spare, a killed trainer relaunched.
 
+    It watches the run of JOB until it succeeds or fails for good.
     The job needs outputs.dest and run.spares and/or run.restarts (docs/recovery.md). The run is
     found in its generation record, beside outputs.dest in S3 (RUN, when given, must be that
     run: its first id, or its current generation's). A node is lost when it has not answered for
