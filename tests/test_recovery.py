@@ -387,3 +387,46 @@ def test_a_planned_stop_loses_no_step(make_testbed: MakeTestbed, bed_factory: An
     doc = json.loads(data)
     assert doc["step"] == stopped[0] and doc["state"] == stand_in_state(stopped[0]), (doc["step"], stopped)
     assert hashlib.sha256(data).hexdigest() == bed.node_sha(a)
+
+
+@pytest.mark.timeout(600)
+def test_a_gang_restarts_on_sigkill_and_not_on_exit_1(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """A 2-node gang plus one spare: rank 1's trainer killed with SIGKILL (its gang watch ends rank 0 too):
+    the gang relaunches on the same two nodes from the last checkpoint. Then a trainer that exits 1: the
+    run fails, no restart, and the spare is never touched."""
+    tb = make_testbed(nodes=3, s3=True)
+    a, b, spare = tb.nodes
+    rank0_saves = TRAINER.replace(
+        "def save():\n", "def save():\n    if os.environ.get('DFO_NODE_RANK', '0') != '0':\n        return\n")
+
+    def gang_bed(name: str, **kw: Any) -> Bed:
+        bed: Bed = bed_factory(tb, name, spares=[spare.name], **kw)
+        (bed.tmp / "trainer" / "train.py").write_text(rank0_saves)
+        doc = yaml.safe_load(bed.job.read_text())
+        doc["run"]["nodes"] = 2
+        bed.job.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return bed
+
+    bed = gang_bed("gang-killed", restarts={"max": 1, "backoff": 0})
+    up = bed.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bed.job.name, "--watch")
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= 2 * SAVE, 300, [up])
+    os.kill(_trainer_pid(tb, b, bed.record()["run"]), signal.SIGKILL)
+    code = bed.finish(up, 400)
+    out = bed.out("up.log")
+    assert code == 0, out[-4000:]
+    rec = bed.record()
+    assert rec["state"] == "succeeded" and rec["generation"] == 2 and rec["hosts"] == [a.name, b.name], rec
+    (r,) = rec["restarts"]
+    assert r["why"] == "signal" and r["spare"] is None, r
+    bed.final_checks(a)
+
+    bad = gang_bed("gang-exits-1", restarts={"max": 3, "backoff": 0}, fail_at=2 * SAVE + 5)
+    up = bad.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bad.job.name, "--watch")
+    code = bad.finish(up, 400)
+    out = bad.out("up.log")
+    assert code == 5, out[-4000:]
+    assert "not restarted" in out, out[-4000:]
+    rec = bad.record()
+    assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
+    r2 = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-stand-in && echo venv")
+    assert r2.stdout.split() == ["0"], r2.stdout
