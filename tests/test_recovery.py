@@ -226,10 +226,15 @@ def test_a_killed_trainer_is_restarted_and_exit_1_is_not(make_testbed: MakeTestb
     up = bed.start("up.log", "up", "-H", a.name, "-j", bed.job.name, "--watch")
     bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= 2 * SAVE, 240, [up])
     run1 = bed.record()["run"]
+    tail = bed.start("tail.log", "tail", "-H", a.name, "-j", bed.job.name)  # follows the run across its restart
     os.kill(_trainer_pid(tb, a, run1), signal.SIGKILL)
     code = bed.finish(up, 300)
     out = bed.out("up.log")
     assert code == 0, out[-4000:]
+    assert bed.finish(tail, 120) == 0, bed.out("tail.log")[-4000:]
+    tailed = bed.out("tail.log")
+    assert "--- restart: generation 2 (" in tailed and f"following run {run1}.g2 on {a.name} ---" in tailed, tailed
+    assert tailed.index("--- restart") < tailed.index(f"done: {STEPS} steps"), tailed[-3000:]
     rec = bed.record()
     assert rec["state"] == "succeeded" and rec["generation"] == 2 and rec["hosts"] == [a.name], rec
     (r,) = rec["restarts"]

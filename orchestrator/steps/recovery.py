@@ -604,3 +604,31 @@ class Watcher:
 
 def _iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --------------------------------------------------------------------------- tail across restarts
+
+
+def next_generation(loaded: LoadedJob, followed: str, ended_ok: bool, wait_s: float = 180.0
+                    ) -> dict[str, Any] | None:
+    """The generation record once a newer generation of the run ``followed`` has started (tail goes on
+    there), or None: no newer one, the run ended for good, or no live watcher to start one. While a
+    watcher holds the run and is (or may be about to be) recovering it, this waits, up to ``wait_s``."""
+    where = place(loaded)
+    deadline = time.monotonic() + wait_s
+    while True:
+        doc, _ = where.read()
+        if not doc:
+            return None
+        lineage = str(doc.get("lineage") or "")
+        if not lineage or not (followed == lineage or followed.startswith(f"{lineage}.g")):
+            return None  # another lineage (a new launch) or a job without one
+        if doc.get("run") != followed and doc.get("state") == "running":
+            return doc
+        if doc.get("state") in ("succeeded", "failed", "stopped"):
+            return None
+        w = doc.get("watcher") or {}
+        alive = bool(w) and time.time() - float(w.get("beat") or 0) <= LEASE_S
+        if (ended_ok and doc.get("state") != "recovering") or not alive or time.monotonic() > deadline:
+            return None
+        time.sleep(2.0)
