@@ -47,6 +47,7 @@ POLL_S = float(os.environ.get("DFO_WATCH_POLL_S") or 3.0)  # seconds between loo
 PROBE_S = 20.0  # a node that has not answered a look within this long is unreachable for that look
 LEASE_S = 30.0  # a watcher that has not renewed its lease this long is gone: another may take over
 STOP_WAIT_S = 60.0  # how long the old generation's last outputs pass is waited for
+S3_PATIENCE_S = 300.0  # S3 unreadable this long: the watcher gives up (exit 3); never a restart for it
 RESUMED = re.compile(r"resum\w*\b.*?\bstep[ =:]*(\d+)", re.I)
 
 Say = Callable[[str], None]
@@ -295,9 +296,19 @@ class Watcher:
                  f"{', '.join(doc.get('hosts') or [])}; spares: {', '.join(self.spares) or 'none'}; "
                  f"restarts {len(doc.get('restarts') or [])}/{self.policy.max}")
         lineage = doc.get("lineage")
+        s3_down: float | None = None  # since when S3 has not answered (a transient error is waited out)
         try:
             while True:
-                doc, etag = self._read()
+                try:
+                    doc, etag = self._read()
+                    s3_down = None
+                except VerifyError as exc:
+                    s3_down = s3_down or time.monotonic()
+                    if time.monotonic() - s3_down > S3_PATIENCE_S:
+                        raise
+                    self.say(f"watch: {exc.message}; trying again (the run is not touched meanwhile)")
+                    time.sleep(max(self.poll_s, 5.0))
+                    continue
                 w = doc.get("watcher") or {}
                 if doc.get("lineage") != lineage:
                     self.say(f"watch: a new launch of job {self.job.name} replaced run {lineage} "
@@ -309,10 +320,15 @@ class Watcher:
                 state = doc.get("state")
                 if state in ("succeeded", "failed", "stopped"):
                     return self._ended(doc, etag)
-                if doc.get("recovery"):
-                    doc, etag = self.recover(doc, etag)
+                try:
+                    if doc.get("recovery"):
+                        doc, etag = self.recover(doc, etag)
+                        continue
+                    code = self.check(doc, etag)
+                except VerifyError as exc:  # S3 did not take a write: the record says where things stand
+                    self.say(f"watch: {exc.message}; trying again")
+                    time.sleep(max(self.poll_s, 5.0))
                     continue
-                code = self.check(doc, etag)
                 if code is not None:
                     return code
                 time.sleep(self.poll_s)

@@ -13,8 +13,9 @@ number that only grows per outputs.dest. The record is one object beside the out
 Writers (``dfo up``/``launch`` for generation 1 of a lineage, ``dfo watch`` after) change it with a
 compare-and-swap: ``If-Match: ETAG`` (``If-None-Match: *`` to create it), then a read-back of the
 ``writer`` nonce. A server that honours the conditions (SeaweedFS, AWS S3) refuses the loser with
-412; one that ignores them (rclone serve s3) is caught by the read-back unless the other write lands
-between our PUT and our GET (the window docs/recovery.md describes).
+412. For one that ignores them (rclone serve s3) the ETag is also compared just before the PUT, and
+the read-back catches a write that lands after ours; two writers both win only when one's PUT and
+read-back both fit between the other's check and its PUT (the window docs/recovery.md describes).
 
 The shipper calls ``superseded(client, bucket, prefix, spec)`` before a pass uploads anything: a
 record whose generation is newer than the run's own means the run is an old generation (a node cut
@@ -56,6 +57,9 @@ def write(client, bucket, prefix, doc, etag):
     """Compare-and-swap: write ``doc`` if the record's ETag is still ``etag`` (None: if there is none).
     Returns (doc as written, new ETag); raises Conflict when another writer came first."""
     key = key_of(prefix)
+    _, now = read(client, bucket, prefix)  # a server that ignores If-Match: the ETag is compared here too
+    if now != etag:
+        raise Conflict("the generation record changed since it was read")
     doc = dict(doc, writer=uuid.uuid4().hex, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     body = (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode("utf-8")
     headers = {"content-type": "application/json"}
