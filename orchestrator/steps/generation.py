@@ -33,17 +33,17 @@ class Place:
     def url(self) -> str:
         return f"s3://{self.bucket}/{gen.key_of(self.prefix)}"
 
-    def read(self) -> tuple[dict[str, Any] | None, str | None]:
+    def read(self, name: str = gen.KEY) -> tuple[dict[str, Any] | None, str | None]:
         try:
-            return gen.read(self.client, self.bucket, self.prefix)
+            return gen.read(self.client, self.bucket, self.prefix, name)
         except S3Error as exc:
             raise VerifyError(f"generation record {self.url}: {exc.described()}",
                               hint="check s3.endpoint_url and the credentials of outputs.dest") from None
 
-    def write(self, doc: dict[str, Any], etag: str | None) -> tuple[dict[str, Any], str | None]:
+    def write(self, doc: dict[str, Any], etag: str | None, name: str = gen.KEY) -> tuple[dict[str, Any], str | None]:
         """Compare-and-swap; raises remote.runs.generation.Conflict when someone else wrote first."""
         try:
-            return gen.write(self.client, self.bucket, self.prefix, doc, etag)
+            return gen.write(self.client, self.bucket, self.prefix, doc, etag, name)
         except S3Error as exc:
             raise VerifyError(f"generation record {self.url}: {exc.described()}",
                               hint="check s3.endpoint_url and the credentials of outputs.dest") from None

@@ -192,7 +192,8 @@ class Watcher:
         self.me = {"id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid()}
         self.since: dict[str, float] = {}  # host -> when it first did not answer (this watcher's own view)
         self.probes: dict[str, Probe] = {}
-        self.last_beat = 0.0
+        self.lease_etag: str | None = None
+        self.lease_done, self.lease_lost = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ the record
     def _read(self) -> tuple[dict[str, Any], str | None]:
@@ -203,33 +204,47 @@ class Watcher:
         return doc, etag
 
     def _write(self, doc: dict[str, Any], etag: str | None) -> tuple[dict[str, Any], str | None]:
-        doc = dict(doc, watcher=dict(self.me, beat=time.time()))
-        written, new = self.place.write(doc, etag)
-        self.last_beat = time.time()
-        return written, new
+        if self.lease_lost.is_set():
+            raise UsageError(f"run {doc.get('lineage')}: another watcher took it over", hint="one watcher per run")
+        return self.place.write(dict(doc, watcher=dict(self.me)), etag)
 
     def _claim(self) -> tuple[dict[str, Any], str | None]:
-        """Take the watcher's lease, or refuse when another live watcher holds it."""
+        """Take the watcher's lease (its own object beside the record, renewed by a thread every LEASE_S / 3
+        whatever the watcher is doing), or refuse when another live watcher holds it."""
+        doc, etag = self._read()
+        if self.run_arg and self.run_arg not in (doc.get("lineage"), doc.get("run")):
+            raise UsageError(f"run {self.run_arg}: the generation record of job {self.job.name} names run "
+                             f"{doc.get('lineage')} (generation {doc.get('generation')}: {doc.get('run')})",
+                             hint="watch that run, or leave RUN out")
         for _ in range(6):
-            doc, etag = self._read()
-            if self.run_arg and self.run_arg not in (doc.get("lineage"), doc.get("run")):
-                raise UsageError(f"run {self.run_arg}: the generation record of job {self.job.name} names run "
-                                 f"{doc.get('lineage')} (generation {doc.get('generation')}: {doc.get('run')})",
-                                 hint="watch that run, or leave RUN out")
-            w = doc.get("watcher") or {}
+            w, lease_etag = self.place.read(gen.LEASE_KEY)
             if w and w.get("id") != self.me["id"] and not self._gone(w):
                 raise UsageError(f"run {doc.get('lineage')}: another watcher holds it (pid {w.get('pid')} on "
                                  f"{w.get('host')}, seen {time.time() - float(w.get('beat') or 0):.0f}s ago)",
                                  hint=f"one watcher per run; stop that one first, or wait {LEASE_S:.0f}s after it "
                                       "ended")
             try:
-                return self._write(doc, etag)
+                _, self.lease_etag = self.place.write(dict(self.me, beat=time.time()), lease_etag, gen.LEASE_KEY)
             except gen.Conflict:
                 continue
-        raise VerifyError(f"generation record {self.place.url}: it kept changing while this watcher tried to claim it")
+            threading.Thread(target=self._renew, daemon=True, name="dfo-watch-lease").start()
+            return self._read()
+        raise VerifyError(f"watcher lease {self.place.url}: it kept changing while this watcher tried to take it")
+
+    def _renew(self) -> None:
+        """The lease, renewed every LEASE_S / 3 until released; a write refused means another watcher took it."""
+        while not self.lease_done.wait(LEASE_S / 3):
+            try:
+                _, self.lease_etag = self.place.write(dict(self.me, beat=time.time()), self.lease_etag,
+                                                      gen.LEASE_KEY)
+            except gen.Conflict:
+                self.lease_lost.set()
+                return
+            except DfoError:
+                continue  # S3 did not answer: the next renewal tries again
 
     def _gone(self, w: dict[str, Any]) -> bool:
-        if time.time() - float(w.get("beat") or 0) > LEASE_S:
+        if not w.get("beat") or time.time() - float(w.get("beat") or 0) > LEASE_S:
             return True
         if w.get("host") == self.me["host"] and w.get("pid"):  # this machine's: is that process still there?
             try:
@@ -309,14 +324,13 @@ class Watcher:
                     self.say(f"watch: {exc.message}; trying again (the run is not touched meanwhile)")
                     time.sleep(max(self.poll_s, 5.0))
                     continue
-                w = doc.get("watcher") or {}
                 if doc.get("lineage") != lineage:
                     self.say(f"watch: a new launch of job {self.job.name} replaced run {lineage} "
                              f"(now {doc.get('lineage')}); this watcher ends")
+                    self._release()
                     return 0
-                if w.get("id") != self.me["id"]:
-                    raise UsageError(f"run {lineage}: another watcher took it over (pid {w.get('pid')} on "
-                                     f"{w.get('host')})", hint="one watcher per run")
+                if self.lease_lost.is_set():
+                    raise UsageError(f"run {lineage}: another watcher took it over", hint="one watcher per run")
                 state = doc.get("state")
                 if state in ("succeeded", "failed", "stopped"):
                     return self._ended(doc, etag)
@@ -336,6 +350,8 @@ class Watcher:
             self._release()
             self.say("watch: interrupted; the run goes on unwatched (dfo watch starts watching it again)")
             return 130
+        finally:
+            self.lease_done.set()  # (released above, or left to run out: LEASE_S, or at once for this machine)
 
     def _ended(self, doc: dict[str, Any], etag: str | None) -> int:
         self._release(doc, etag)
@@ -346,11 +362,12 @@ class Watcher:
         return 0 if state == "succeeded" else EXIT_RUN
 
     def _release(self, doc: dict[str, Any] | None = None, etag: str | None = None) -> None:
+        """The lease handed back (beat 0): another watcher may start at once."""
+        self.lease_done.set()
+        if self.lease_lost.is_set():
+            return
         try:
-            if doc is None:
-                doc, etag = self._read()
-            if (doc.get("watcher") or {}).get("id") == self.me["id"]:
-                self.place.write(dict(doc, watcher=None), etag)
+            self.place.write(dict(self.me, beat=0), self.lease_etag, gen.LEASE_KEY)
         except (DfoError, gen.Conflict):
             pass
 
@@ -363,11 +380,6 @@ class Watcher:
         v = classify(hosts, results, unreachable, self.policy)
         self._note_resumed(doc, etag, results)
         if v.kind == "ok":
-            if time.time() - self.last_beat > LEASE_S / 3:
-                try:
-                    self._write(doc, etag)
-                except gen.Conflict:
-                    pass
             return None
         if v.kind in ("done", "stopped", "fail"):
             state = {"done": "succeeded", "stopped": "stopped", "fail": "failed"}[v.kind]
@@ -431,9 +443,9 @@ class Watcher:
         elif phase == "wait":  # the backoff, in slices: the lease is renewed meanwhile
             left = float(rec.get("not_before") or 0) - time.time()
             if left > 0:
-                time.sleep(min(left, LEASE_S / 3))
-                if left > LEASE_S / 3:
-                    return self._advance(doc, rec, etag)
+                time.sleep(min(left, self.poll_s))
+                if left > self.poll_s:
+                    return doc, etag
             rec["phase"] = "fence"
         elif phase == "fence":
             # from here on, an old node's shipper refuses to upload and stops its trainer
@@ -643,8 +655,8 @@ def next_generation(loaded: LoadedJob, followed: str, ended_ok: bool, wait_s: fl
             return doc
         if doc.get("state") in ("succeeded", "failed", "stopped"):
             return None
-        w = doc.get("watcher") or {}
-        alive = bool(w) and time.time() - float(w.get("beat") or 0) <= LEASE_S
+        w, _ = where.read(gen.LEASE_KEY)
+        alive = bool(w) and time.time() - float((w or {}).get("beat") or 0) <= LEASE_S
         if (ended_ok and doc.get("state") != "recovering") or not alive or time.monotonic() > deadline:
             return None
         time.sleep(2.0)

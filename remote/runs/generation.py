@@ -7,9 +7,10 @@ number that only grows per outputs.dest. The record is one object beside the out
     {"version": 1, "job": NAME, "lineage": FIRST_RUN_ID, "generation": N, "run": RUN_ID_OF_N,
      "hosts": [rank order], "state": "running" | "recovering" | "succeeded" | "failed",
      "restarts": [{"at", "why", "lost_host", "spare", "resumed_step", "generation"}],
-     "lost": [hosts], "recovery": {...} | null, "watcher": {"id", "host", "pid", "beat"} | null,
+     "lost": [hosts], "recovery": {...} | null, "watcher": {"id", "host", "pid"} | null,
      "writer": NONCE, "updated": ISO}
 
+The watcher's lease is a second object, ``DEST/.dfo/watcher.json`` ({"id", "host", "pid", "beat"}).
 Writers (``dfo up``/``launch`` for generation 1 of a lineage, ``dfo watch`` after) change it with a
 compare-and-swap: ``If-Match: ETAG`` (``If-None-Match: *`` to create it), then a read-back of the
 ``writer`` nonce. A server that honours the conditions (SeaweedFS, AWS S3) refuses the loser with
@@ -28,19 +29,20 @@ import time
 import uuid
 
 KEY = ".dfo/generation.json"
+LEASE_KEY = ".dfo/watcher.json"  # the watcher's lease, renewed apart from the record (dfo watch)
 
 
 class Conflict(Exception):
     """Someone else changed the record first (HTTP 412, or the read-back named another writer)."""
 
 
-def key_of(prefix):
-    return (prefix or "") + KEY
+def key_of(prefix, name=KEY):
+    return (prefix or "") + name
 
 
-def read(client, bucket, prefix):
+def read(client, bucket, prefix, name=KEY):
     """(record or None, its ETag or None). A missing object is (None, None); other errors raise S3Error."""
-    key = key_of(prefix)
+    key = key_of(prefix, name)
     resp = client.request("GET", bucket, key)
     body = resp.read()
     if resp.status == 404:
@@ -53,11 +55,11 @@ def read(client, bucket, prefix):
     return (doc if isinstance(doc, dict) else None), (resp.getheader("etag") or "").strip() or None
 
 
-def write(client, bucket, prefix, doc, etag):
+def write(client, bucket, prefix, doc, etag, name=KEY):
     """Compare-and-swap: write ``doc`` if the record's ETag is still ``etag`` (None: if there is none).
     Returns (doc as written, new ETag); raises Conflict when another writer came first."""
-    key = key_of(prefix)
-    _, now = read(client, bucket, prefix)  # a server that ignores If-Match: the ETag is compared here too
+    key = key_of(prefix, name)
+    _, now = read(client, bucket, prefix, name)  # a server that ignores If-Match: the ETag is compared here too
     if now != etag:
         raise Conflict("the generation record changed since it was read")
     doc = dict(doc, writer=uuid.uuid4().hex, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -72,7 +74,7 @@ def write(client, bucket, prefix, doc, etag):
     if resp.status in (409, 412):
         raise Conflict("the generation record changed meanwhile (HTTP %d)" % resp.status)
     client.check(resp, bucket, key, "PUT")
-    back, new_etag = read(client, bucket, prefix)  # a server that ignores If-Match: the nonce says who won
+    back, new_etag = read(client, bucket, prefix, name)  # a server that ignores If-Match: the nonce says who won
     if back is None or back.get("writer") != doc["writer"]:
         raise Conflict("another writer changed the generation record at the same time")
     return doc, new_etag
