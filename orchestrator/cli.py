@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
     "exec": ("exec", "exec_cmd", "Run a command on every host at once; output prefixed by host, exit status per host."),
     "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
+    "watch": ("watch", "watch_cmd",
+              "Watch a running run and recover it: a lost node replaced by a spare, a killed trainer relaunched."),
     "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
 }
 

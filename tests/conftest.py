@@ -123,6 +123,12 @@ SLOW: set[str] = {
     # dead session, launch --wait's reconnect budget)
     "test_node_dies.py::test_a_node_dies_and_the_run_goes_on_without_torch",
     "test_gang.py::test_a_vanished_node_ends_the_others_and_shows_as_lost",
+    "test_recovery.py::test_a_lost_node_is_replaced_by_a_spare",  # recovery (issue 20): whole stories
+    "test_recovery.py::test_a_killed_trainer_is_restarted_and_exit_1_is_not",
+    "test_recovery.py::test_a_watcher_killed_mid_recovery_finishes_it_when_started_again",
+    "test_recovery.py::test_a_partitioned_node_that_comes_back_is_fenced",
+    "test_recovery.py::test_a_gang_loses_rank_0_and_a_spare_takes_its_rank",
+    "test_recovery.py::test_a_gang_restarts_on_sigkill_and_not_on_exit_1",
     "test_fleet.py::test_exec_ctrl_c_ends_the_commands_on_the_node",
     "test_hardening_cli.py::test_printed_commands_work_when_pasted",
     "test_hardening_dest.py::test_dangerous_dests_are_refused",

@@ -83,6 +83,7 @@ class LaunchRequest(TypedDict, total=False):
     gang: GangPlace
     outputs: Dict[str, Any]  # the shipper's spec (steps/outputs.py outputs_spec)
     outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
+    generation: Dict[str, Any]  # a run that recovers (issue 20): lineage, generation, restarts so far
 
 
 class ReadRequest(Where, total=False):
@@ -157,6 +158,7 @@ class RunInfo(TypedDict, total=False):
     tail: List[str]
     group_left: List[int]
     gang: Dict[str, Any]
+    generation: Optional[Dict[str, Any]]  # lineage, generation, restarts (remote/runs/generation.py)
 
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -221,6 +223,8 @@ def describe(run_id, run_dir, tail=0, state=None):
         info["tail"] = rec.tail_lines(log, tail)
     if state == "lost":
         info["group_left"] = rec.leftovers(meta)
+    if meta.get("generation"):  # a run that recovers: which generation of which lineage, restarts before it
+        info["generation"] = meta["generation"]
     if meta.get("gang"):  # a node of a gang: its place, and what its gang watch recorded (gang.json)
         info["gang"] = dict(meta["gang"], watch=rec.read_json(os.path.join(run_dir, "gang.json")))
     return info
@@ -315,6 +319,8 @@ def _start(req, run_id, run_dir, uploads):
     ship = req.get("outputs")
     if isinstance(ship, dict):  # the spec without credentials: those go to the supervisor's stdin alone
         meta["outputs"] = dict((k, v) for k, v in ship.items() if k != "credentials")
+    if isinstance(req.get("generation"), dict):
+        meta["generation"] = req["generation"]
     gang = req.get("gang")
     if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
         meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),
