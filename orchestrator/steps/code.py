@@ -137,11 +137,11 @@ def start_local(loaded: LoadedJob) -> Local:
     return Local(loaded)
 
 
-def _call(conn: Transport, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
+def _call(conn: Transport, header: dict[str, Any], payload: list[bytes] | None = None, timeout: float = 120) -> Any:
     from ..agent import NODE, run_module
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
-    return run_module(conn, NODE.push, header, payload=payload, timeout=timeout, flags="-S")
+    return run_module(conn, NODE.push, header, payload=payload or [], timeout=timeout, flags="-S")
 
 
 def _stderr(host: str) -> Callable[[str], None]:
@@ -157,10 +157,14 @@ def node_key(conn: Transport, dest: str) -> str:
     return f"{h.user}@{h.hostname}:{h.port}\0{conn.name}\0{dest}"
 
 
-def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], bytes]:
+def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The entries and the bytes of the files to send, each read without following a symlink on its
-    path (codetree.Reader: a folder swapped for a link since the listing is refused, never read)."""
-    entries, chunks = [], []
+    path (codetree.Reader: a folder swapped for a link since the listing is refused, never read).
+    A file whose (size, mtime_ns, inode) after reading is still the listing's keeps the listing's
+    sha256 (what the hash cache trusts); any other is hashed as read: what travels is what is
+    checked, and the node checks every file's sha256 on arrival."""
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
     reader: Reader | None = None
     try:
         for rel in to_send:
@@ -169,14 +173,14 @@ def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], byt
                 entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
                 continue
             reader = reader or Reader(local.source)
-            data = reader.read_bytes(f.via or rel)
-            sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
+            data, key = reader.read_keyed(f.via or rel)
+            sha = f.sha256 if f.sha256 and key == f.key else hashlib.sha256(data).hexdigest()
             entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
             chunks.append(data)
     finally:
         if reader is not None:
             reader.close()
-    return entries, b"".join(chunks)
+    return entries, chunks
 
 
 def _diff(view: dict[str, dict[str, object]], node: dict[str, Any], dirty: set[str]) -> tuple[list[str], list[str]]:

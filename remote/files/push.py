@@ -442,7 +442,8 @@ def _push(req, stream, want=None):
         finally:
             os.close(tmp_fd)
         digest = _save_manifest(d.meta_fd, files, _owner_of(req) or owner)
-        match = bool(files) and digest == want and _all_intact(d, files)
+        written = set(f["path"] for f in req.get("files", []))  # stat'ed just now, as they were renamed into place
+        match = bool(files) and digest == want and _all_intact(d, files, skip=written)
         out = {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted),
                "kept": len(kept), "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
                "seconds": round(time.time() - started, 3)}
@@ -454,8 +455,8 @@ def _push(req, stream, want=None):
         d.close()
 
 
-def _all_intact(d, files):
-    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items())
+def _all_intact(d, files, skip=()):
+    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items() if rel not in skip)
 
 
 def op_sync(req: PushRequest):
