@@ -7,8 +7,10 @@ folders, a few executables) is made on this machine. Each tool pushes it to its 
 one testbed node, three cases in turn:
 
 * first: the folder on the node is empty, and for dfo the node has never seen dfo: its agent
-  cache (~/.cache/dfo on the node) is removed before each of these pushes, so dfo's own node code
-  travels too (its size is printed: the bundles a fresh node gets for sync-code);
+  cache (~/.cache/dfo on the node) and this machine's record of what the node holds
+  (agent-known) are removed before each of these pushes, so dfo's own node code travels too (its
+  size is printed; sync-code needs its core part only). The hash cache here stays: the code was
+  hashed here before;
 * no change: the same tree again;
 * one change: one file's content changed here.
 
@@ -167,8 +169,9 @@ def main() -> None:
                 push = tools[name]
                 dest = f"/root/bench-{name}-{rep}"
                 for case in cases:
-                    if case == "first" and name == "dfo":
-                        tb.node_exec(node, "rm -rf /root/.cache/dfo", timeout=120)  # a node that never saw dfo
+                    if case == "first" and name == "dfo":  # a node that never saw dfo, nor this machine it
+                        tb.node_exec(node, "rm -rf /root/.cache/dfo", timeout=120)
+                        shutil.rmtree(work / "cache" / "dfo" / "agent-known", ignore_errors=True)
                     if case == "one change":
                         victim.write_bytes(victim.read_bytes()[::-1] + str(time.time()).encode())
                     results[name][case].append(push(dest))

@@ -123,7 +123,7 @@ def bundle(part: str | None = None) -> tuple[str, bytes]:
             data = p.read_bytes()
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    return bundle_digest(), gzip.compress(raw.getvalue(), compresslevel=9, mtime=0)
+    return bundle_digest(), gzip.compress(raw.getvalue(), compresslevel=6, mtime=0)  # 9: 4x the time, 0.7% less
 
 
 def bundle_sizes() -> dict[str, int]:
