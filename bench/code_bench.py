@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dfo-root", default=str(ROOT),
                     help="the dfo checkout whose code is timed (e.g. an export of main, for a before/after)")
+    ap.add_argument("--compare-root", help="a second dfo checkout timed in turn too, as dfo-b (before/after)")
     ap.add_argument("--first-only", action="store_true", help="time only the first push (to a fresh node)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/code.json"))
     args = ap.parse_args()
@@ -143,12 +145,12 @@ def main() -> None:
         dfo_root = Path(args.dfo_root).resolve()
         tb.ssh(node, "python3 -c 1")  # host key recorded, node warm
 
-        def dfo_push(dest: str) -> float:
+        def dfo_push(dest: str, root: Path | None = None) -> float:
             job = work / "job.yaml"
             job.write_text(yaml.safe_dump({"name": "bench", "venv": "/usr",
                                            "code": {"source": str(repo), "dest": dest}}))
             return timed([sys.executable, "-m", "orchestrator.cli", "-i", str(inv_path), "sync-code", "-H",
-                          node.name, "-j", str(job)], env=env, cwd=dfo_root)
+                          node.name, "-j", str(job)], env=env, cwd=root or dfo_root)
 
         def rsync_push(dest: str) -> float:
             tb.node_exec(node, f"mkdir -p {dest}")
@@ -158,7 +160,10 @@ def main() -> None:
             remote = shlex.quote(f"mkdir -p {dest} && tar -xf - -C {dest}")
             return timed(f"git ls-files -z | tar --null -T - -cf - | {shlex.join(ssh)} {target} {remote}", cwd=repo)
 
-        tools = {"dfo": dfo_push, "rsync": rsync_push, "tar": tar_push}
+        tools: dict[str, Any] = {"dfo": dfo_push, "rsync": rsync_push, "tar": tar_push}
+        if args.compare_root:  # another dfo checkout, timed in turn with the others ("dfo-b")
+            other = Path(args.compare_root).resolve()
+            tools["dfo-b"] = lambda dest: dfo_push(dest, other)
         cases: tuple[str, ...] = ("first",) if args.first_only else ("first", "no change", "one change")
         results: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
         cpu: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
@@ -169,7 +174,7 @@ def main() -> None:
                 push = tools[name]
                 dest = f"/root/bench-{name}-{rep}"
                 for case in cases:
-                    if case == "first" and name == "dfo":  # a node that never saw dfo, nor this machine it
+                    if case == "first" and name.startswith("dfo"):  # a node that never saw dfo, nor this machine it
                         tb.node_exec(node, "rm -rf /root/.cache/dfo", timeout=120)
                         shutil.rmtree(work / "cache" / "dfo" / "agent-known", ignore_errors=True)
                     if case == "one change":
@@ -187,6 +192,14 @@ def main() -> None:
     print(f"\nwall (median and best of {args.repeat}); CPU here (user + system, median); "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("agent bundles (as they travel): " + ", ".join(f"{k} {v / 1000:.1f} kB" for k, v in sizes.items()))
+    if "dfo-b" in results:
+        other_sizes = agent_sizes(Path(args.compare_root).resolve())
+        print("dfo-b's agent bundles: " + ", ".join(f"{k} {v / 1000:.1f} kB" for k, v in other_sizes.items()))
+        for c in cases:
+            for what, fig in (("median", med), ("best", best)):
+                d, b, r = fig["dfo"][c], fig["dfo-b"][c], fig["rsync"][c]
+                print(f"  {c} {what}: dfo-b {b:.3f} s, {b / r:.2f}x rsync; dfo {d:.3f} s, {d / r:.2f}x rsync; "
+                      f"dfo / dfo-b {d / b:.2f}x; CPU here (median) dfo-b {cmed['dfo-b'][c]:.3f} s")
     print(f"{'case':<12}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}"
           f"{'dfo cpu':>9}{'rsync cpu':>10}{'tar cpu':>9}")
     for c in cases:
