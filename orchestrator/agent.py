@@ -142,8 +142,8 @@ _KNOWN_LOCK = threading.Lock()
 
 
 def _node_key(conn: Transport) -> str:
-    h = conn.host
-    return f"{h.user}@{h.hostname}:{h.port}"
+    h = conn.host  # fields read with defaults: a stand-in host (tests) may carry only some
+    return f"{getattr(h, 'user', '')}@{getattr(h, 'hostname', '') or conn.name}:{getattr(h, 'port', '')}"
 
 
 def _known_path(key: str) -> Path:
