@@ -2,8 +2,8 @@
 
 The package remote/ is named by one hash over its files; its place on the node is
 ``$HOME/.cache/dfo/agent/<hash>/``. It travels in two parts, each a tar.gz built here: ``core``
-(all of remote/ but the vendored packaging, about 130 kB) and ``vendor`` (remote/_vendor/packaging,
-about 90 kB), the second only for the modules that import it (``VENDOR_USERS``: provision, pkgcheck,
+(all of remote/ but the vendored packaging, about 134 kB) and ``vendor`` (remote/_vendor/packaging,
+about 88 kB), the second only for the modules that import it (``VENDOR_USERS``: provision, pkgcheck,
 the GPU preflight). A call to a node this machine knows holds the parts it needs (a record under
 ~/.cache/dfo/agent-known/, per user, host and port) is one command that checks their markers. A
 call to a node not known to hold them carries them in the same command (remote/_boot.py: the

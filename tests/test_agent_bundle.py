@@ -101,13 +101,13 @@ def test_vendor_users_are_exactly_the_entry_modules_that_reach_packaging() -> No
 
 
 def _boot(home: Path, module: str, request: dict[str, Any], parts: list[str], *, tamper: bytes | None = None,
-          cut: int = 0) -> subprocess.CompletedProcess[bytes]:
+          cut: int = 0, python: str = "python3") -> subprocess.CompletedProcess[bytes]:
     specs, blobs = agent._carried(parts)
     if tamper is not None:
         blobs = blobs[:-len(tamper)] + tamper
     if cut:
         blobs = blobs[:-cut]
-    cmd = agent.module_command(module, "python3", flags="-S", carry=specs)
+    cmd = agent.module_command(module, python, flags="-S", carry=specs)
     env = dict(os.environ, HOME=str(home))
     env.pop("PYTHONPATH", None)
     return subprocess.run(["sh", "-c", cmd], input=blobs + json.dumps(request).encode() + b"\n", env=env,
@@ -138,6 +138,16 @@ def test_boot_installs_core_only_then_runs_the_module(tmp_path: Path) -> None:
     needs = agent.module_command(agent.NODE.pkgcheck, "python3")
     assert subprocess.run(["sh", "-c", needs], input=b"{}", env=env, capture_output=True).returncode == \
         agent.NEED_UPLOAD
+
+
+def test_boot_runs_on_python_3_8(tmp_path: Path) -> None:
+    from tests.test_hardening_packaging import _python38
+
+    py38 = _python38()
+    if py38 is None:
+        pytest.skip("no python3.8 here (bash .ci/setup installs uv's)")
+    doc = _result(_boot(tmp_path, agent.NODE.pkgcheck, {"pins": ["pip>=1"]}, ["core", "vendor"], python=py38).stdout)
+    assert doc["ok"] is True and doc["data"]["python"].startswith("3.8"), doc
 
 
 def test_boot_refuses_a_damaged_or_short_part_and_installs_nothing(tmp_path: Path) -> None:
