@@ -200,13 +200,13 @@ def main() -> None:
                 d, b, r = fig["dfo"][c], fig["dfo-b"][c], fig["rsync"][c]
                 print(f"  {c} {what}: dfo-b {b:.3f} s, {b / r:.2f}x rsync; dfo {d:.3f} s, {d / r:.2f}x rsync; "
                       f"dfo / dfo-b {d / b:.2f}x; CPU here (median) dfo-b {cmed['dfo-b'][c]:.3f} s")
-    print(f"{'case':<12}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}"
+    print(f"{'case':<18}{'dfo s':>9}{'rsync s':>9}{'tar s':>9}{'dfo/rsync':>11}{'dfo/tar':>9}"
           f"{'dfo cpu':>9}{'rsync cpu':>10}{'tar cpu':>9}")
     for c in cases:
         for what, fig in (("median", med), ("best", best)):
             d, r, t = fig["dfo"][c], fig["rsync"][c], fig["tar"][c]
             label = f"{c} {what}" if what == "median" else "  best"
-            print(f"{label:<12}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x"
+            print(f"{label:<18}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x"
                   + (f"{cmed['dfo'][c]:>9.3f}{cmed['rsync'][c]:>10.3f}{cmed['tar'][c]:>9.3f}" if what == "median"
                      else ""))
     for k, v in base.items():
