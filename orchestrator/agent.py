@@ -218,6 +218,12 @@ def _carried(parts: list[str]) -> tuple[list[tuple[str, str, int]], bytes]:
     return [(p, hashlib.sha256(b).hexdigest(), len(b)) for p, b in zip(parts, blobs, strict=True)], b"".join(blobs)
 
 
+def carried_parts(module: str) -> tuple[list[tuple[str, str, int]], bytes]:
+    """Every part ``module`` needs, to carry on a call's stdin (``module_command(carry=...)``): for a
+    caller that runs the command itself (pull's raw stream) and met a node that lost dfo's code."""
+    return _carried(list(parts_for(module)))
+
+
 _ERR_CLASSES: dict[str, type[DfoError]] = {
     "agent": AgentMissing,  # remote/_boot.py: the node code arrived short or damaged, or could not be installed
     "verify": VerifyError,

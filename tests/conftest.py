@@ -187,6 +187,16 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "changes what every test shares)")
     for k, v in TEST_TIMEOUTS.items():
         os.environ.setdefault(k, v)
+    # dfo's caches on this machine (help texts, code hashes, what each node holds): a folder of this test
+    # session, never the real ~/.cache/dfo (each pytest-xdist worker gets its own; removed at exit)
+    if "DFO_TEST_CACHE" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        cache = tempfile.mkdtemp(prefix="dfo-test-cache-")
+        atexit.register(shutil.rmtree, cache, True)
+        os.environ["DFO_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = cache
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

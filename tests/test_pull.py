@@ -238,3 +238,35 @@ def test_reports_say_1_file_not_1_files(capsys: pytest.CaptureFixture[str]) -> N
     p = {"ok": True, "n": 3, "files": 1, "bytes": 10, "seconds": 0.5, "pending": 0}
     assert describe(p, "s3://b/") == "pass 3: shipped 1 file (10 B) to s3://b/ in 0.5 s"
     assert describe({**p, "files": 2}, "s3://b/").startswith("pass 3: shipped 2 files (10 B)")
+
+
+def test_a_node_that_loses_dfos_code_between_list_and_send_gets_it_on_the_stream_call(
+        penv: PullEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw stream runs its command itself: a node whose agent folder went away after the list call
+    answers NEED_UPLOAD, and the send is made again with dfo's code carried on its stdin, once."""
+    from orchestrator.config.models import load_inventory
+    from orchestrator.steps import pull as steps_pull
+    from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
+
+    if not penv.tb.isolated:
+        pytest.skip("needs the testbed's network namespaces (the node's /root is its own)")
+    inv, path = load_inventory(penv.inv)
+    conn = open_connection(resolve_host(inv, penv.node.name, path))
+    real_send, calls = steps_pull.send, []
+
+    def send_after_losing_the_code(*a: Any, **kw: Any) -> Any:
+        r = conn.run("rm -rf ~/.cache/dfo/agent && echo gone", timeout=60)  # the node's own home
+        assert r.stdout.strip() == "gone", r.stderr
+        calls.append(1)
+        return real_send(*a, **kw)
+
+    monkeypatch.setattr(steps_pull, "send", send_after_losing_the_code)
+    try:
+        to = tmp_path / "got"
+        rep = steps_pull.pull(conn, run=penv.run, paths=[], to=str(to), loaded=None)
+    finally:
+        conn.close()
+    assert calls == [1]
+    assert rep.fetched >= 2, rep
+    assert sha(to / "out" / "ckpt.bin") == penv.node_sha("out/ckpt.bin")

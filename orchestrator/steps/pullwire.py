@@ -23,7 +23,7 @@ from typing import Any
 from remote._proto import split_frame
 from remote.files.pull import HEADER, RAW_MARK
 
-from ..agent import NEED_UPLOAD, module_command, parse_output, upload_agent
+from ..agent import NEED_UPLOAD, carried_parts, module_command, parse_output
 from ..errors import VerifyError
 from ..transport.base import Result, Transport
 from .pullsink import Sink
@@ -149,15 +149,18 @@ def send(conn: Transport, python: str | None, request: dict[str, Any], sink: Sin
     """Run remote.files.pull's ``send`` for ``request`` (its files: ``sink.wanted``) over a binary stdout
     (Transport.run_stream), the bytes into ``sink``; the result's data (or its error, raised)."""
     module = "remote.files.pull"
-    cmd = module_command(module, python or conn.host.python)
+    py = python or conn.host.python
+    specs: list[tuple[str, str, int]] = []
+    blobs = b""
     res: Result | None = None
     for _ in range(2):
         nonce = secrets.token_hex(16)
         reader = RawReader(nonce, sink, conn.name, on_progress)
-        stdin = json.dumps(dict(request, op="send", nonce=nonce))
+        cmd = module_command(module, py, carry=specs or None)
+        stdin = blobs + json.dumps(dict(request, op="send", nonce=nonce)).encode()
         res = conn.run_stream(cmd, on_data=reader.feed, stdin=stdin, timeout=timeout)
         if res.exit_code == NEED_UPLOAD and not reader.started:
-            upload_agent(conn)  # a node that lost dfo's code since the list call: once more
+            specs, blobs = carried_parts(module)  # a node that lost dfo's code since the list call: once more
             continue
         break
     assert res is not None  # a stream cut short keeps its partial file: the next pull resumes it
