@@ -304,8 +304,14 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     sess = session(ctx, hosts)
 
     def one(conn: Transport) -> list[steps.RunInfo]:
-        return steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
+        runs = steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
                             limit=limit)
+        from ..steps.metrics import cost, price_of
+
+        price = price_of(sess.inventory, conn.host.name)
+        for r in runs:
+            r.cost = cost(r, price)
+        return runs
 
     with sess:
         outcomes = sess.each(one)
