@@ -196,3 +196,54 @@ def test_idle_gpus_stop_the_run(env: RunsEnv) -> None:
     assert st["state"] == "stopped"
     stop = env.run_file(run, "stop.json")
     assert stop["why"].startswith("idle: every GPU under 5")
+
+
+def test_tail_and_plot_from_s3_after_the_node_vanished(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With outputs.dest, the log and metrics.jsonl ship beside the checkpoints; once the node is gone,
+    `tail --from-s3` and `plot --from-s3` read them there."""
+    import os
+    import secrets
+
+    tb = make_testbed(nodes=1)
+    env = RunsEnv(tb, tb.nodes[0], inventory_copy(tb, tmp_path), tmp_path)
+    assert tb.s3 is not None
+    bucket = f"runs-{secrets.token_hex(3)}"
+    tb.s3.create_bucket(bucket)
+    _fakebin(env, _samples("load")[1:3])
+    job, name = _job(env, "python3 train.py 0", {"metrics_every": 1})
+    doc = yaml.safe_load(job.read_text())
+    doc["s3"] = {"endpoint_url": tb.s3.url, "region": tb.s3.region}
+    doc["outputs"] = {"path": "/root/ckpt/{run_id}", "dest": f"s3://{bucket}/ckpt/{{run_id}}/", "every": 2}
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    aws = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    aws.update({"AWS_ACCESS_KEY_ID": tb.s3.access_key, "AWS_SECRET_ACCESS_KEY": tb.s3.secret_key,
+                "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"})
+    from tests import _cli
+
+    def dfo(*args: str) -> Any:
+        return _cli.dfo(env.inv, *args, env=_cli.cli_env(aws), timeout=120)
+
+    r = dfo("launch", "-H", env.node.name, "-j", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["hosts"][env.node.name]["run"]
+    r = dfo("tail", "-H", env.node.name, "-j", str(job), run)  # to the end, and the outputs' last pass
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 30  # the supervisor puts the files after the run's end
+    while time.monotonic() < deadline:
+        shipped = env.tb.node_exec(env.node, f"cat /workspace/.dfo/runs/{run}/runship.json").stdout
+        if '"puts"' in shipped and json.loads(shipped)["puts"] >= 2 and not env.alive(env.run_file(run, "meta.json")
+                                                                                       ["supervisor_pid"]):
+            break
+        time.sleep(0.5)
+    tb.vanish(env.node)
+    r = dfo("tail", "-H", env.node.name, "--from-s3", "-j", str(job), run, "-n", "+1")
+    assert r.returncode == 0, r.stderr
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("step ")][-1].startswith("step 8/100 loss 0.500")
+    png = tmp_path / "from-s3.png"
+    r = dfo("plot", "--from-s3", "-j", str(job), run, "loss", "gpu_util", "-o", str(png), "--json")
+    assert r.returncode == 0, r.stderr
+    series = json.loads(r.stdout)["series"]
+    assert next(s for s in series if s["metric"] == "loss")["x"] == list(range(1, 9))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = dfo("tail", "-H", env.node.name, "--from-s3", "-j", str(job), run + "x")
+    assert r.returncode == 2 and "no log of run" in r.stderr, r.stderr

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from ..cli_common import console, hosts_option, job_option, json_option, print_json, safe
-from ..config.models import load_job
+from ..cli_common import console, job_option, json_option, print_json, safe
+from ..config.models import LoadedJob, load_job
 from ..errors import DfoError, UsageError
 from ..steps import metrics as sm
 from ..transport.base import Transport
@@ -20,6 +20,19 @@ from .runs_follow import run_workspace
 BUILTIN = ("loss", "lr", "tok_s", "step", "gpu_util", "gpu_mem", "gpu_power", "gpu_temp", "cpu_pct", "rss",
            "mem_used", "load1")
 DEFAULT_METRICS = ("loss", "tok_s", "gpu_util")
+
+
+def print_log_from_s3(loaded: LoadedJob | None, run: str | None, start: int | str) -> int:
+    """dfo tail --from-s3: the run's log as its node last put it at outputs.dest/.dfo-runs/RUN/log."""
+    if loaded is None or not run:
+        raise UsageError("dfo tail --from-s3 needs the job (-j) and the run's whole id",
+                         hint="dfo tail -H HOST --from-s3 -j JOB RUN")
+    text = sm.from_s3(loaded, run, "log").decode(errors="replace").splitlines()
+    shown = text[int(start[1:]) - 1:] if isinstance(start, str) else text[-start:] if start else []
+    import sys
+
+    sys.stdout.write("".join(ln + "\n" for ln in shown))  # the trainer's bytes, as tail prints them
+    return 0
 
 
 def split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
@@ -83,16 +96,20 @@ def write_png(series: list[dict[str, Any]], metrics: list[str], out: Path) -> No
 
 
 @click.command("plot")
-@hosts_option
+@click.option("-H", "--host", "hosts", multiple=True, metavar="HOST",
+              help="A host, a group, or 'all' from the inventory; may repeat (or comma-separate).")
 @click.argument("args", nargs=-1, metavar="[RUN] [METRIC...]")
 @click.option("--vs", "more_runs", multiple=True, metavar="RUN", help="Another run to overlay (may repeat).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE.png",
               help="Write a PNG (needs matplotlib: the plot extra); without it, a plot in the terminal.")
+@click.option("--from-s3", "from_s3", is_flag=True,
+              help="Read the run's metrics.jsonl from outputs.dest (with -j) instead of the node: for a run whose "
+                   "node is gone. RUN must be whole.")
 @job_option(required=False)
 @json_option
 @click.pass_context
 def plot_cmd(ctx: click.Context, hosts: tuple[str, ...], args: tuple[str, ...], more_runs: tuple[str, ...],
-             output: Path | None, job_path: str | None, as_json: bool) -> int:
+             output: Path | None, from_s3: bool, job_path: str | None, as_json: bool) -> int:
     """Plot a run's curves: loss, throughput, GPU utilisation over time.
 
     RUN: an id or its unique prefix (default: the newest run). METRIC: a training figure from the
@@ -108,6 +125,14 @@ def plot_cmd(ctx: click.Context, hosts: tuple[str, ...], args: tuple[str, ...], 
     """
     run, metrics = split_args(args)
     loaded = load_job(job_path) if job_path else None
+    if from_s3:
+        if loaded is None or run is None:
+            raise UsageError("dfo plot --from-s3 needs the job (-j) and the run's whole id",
+                             hint="dfo plot --from-s3 -j JOB RUN [METRIC...]")
+        got = [("s3", r, sm.parse_jsonl(sm.from_s3(loaded, r, "metrics.jsonl"))) for r in (run, *more_runs)]
+        return _plot(got, metrics, output, as_json)
+    if not hosts:
+        raise UsageError("dfo plot needs -H HOST (or --from-s3 with -j)")
     from ..hosts import HostSession
 
     sess = HostSession(ctx.obj.get("inventory"), hosts)
@@ -125,7 +150,11 @@ def plot_cmd(ctx: click.Context, hosts: tuple[str, ...], args: tuple[str, ...], 
     for o in outcomes:
         if o.error is not None:
             raise o.error
-    runs = [(o.host, rid, rows) for o in outcomes for rid, rows in (o.value or [])]
+    return _plot([(o.host, rid, rows) for o in outcomes for rid, rows in (o.value or [])], metrics, output, as_json)
+
+
+def _plot(runs: list[tuple[str, str, list[dict[str, Any]]]], metrics: list[str], output: Path | None,
+          as_json: bool) -> int:
     wanted = metrics or [m for m in DEFAULT_METRICS if any(sm.series(rows, m)[1] for _, _, rows in runs)]
     if not wanted:
         raise UsageError("nothing to plot: the run has no rows in its metrics.jsonl yet",

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..agent import NODE, run_module
-from ..config.models import Inventory
+from ..config.models import Inventory, LoadedJob
+from ..errors import ConfigError, UsageError
 from ..transport.base import Transport
 from .runs import RunInfo
 
@@ -28,9 +29,13 @@ def fetch(conn: Transport, workspace: str | None, run: str | None = None, job: s
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl on this machine (one fetched from S3, or pulled)."""
+    """Rows of a metrics.jsonl on this machine (a pulled one)."""
+    return parse_jsonl(path.read_bytes())
+
+
+def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
     out = []
-    for ln in path.read_text(errors="replace").splitlines():
+    for ln in data.decode(errors="replace").splitlines():
         try:
             row = json.loads(ln)
         except ValueError:
@@ -201,3 +206,35 @@ def sample_line(metrics: dict[str, Any] | None) -> str | None:
     if t:
         parts.append(train_text(t))
     return " | ".join(parts) or None
+
+
+def from_s3(loaded: LoadedJob, run_id: str, name: str) -> bytes:
+    """RUN's ``log`` or ``metrics.jsonl`` as the node's supervisor put them beside the checkpoints
+    (outputs.dest/.dfo-runs/RUN/, remote/runs/runship.py), read with this machine's S3 credentials."""
+    from remote.runs.runship import key_prefix
+    from remote.s3.client import S3Client
+
+    from .outputs import outputs_credentials, outputs_spec
+
+    out = loaded.job.outputs
+    if out is None or not out.dest:
+        raise ConfigError(f"{loaded.path}: --from-s3 needs outputs.dest in the job file",
+                          hint="the log and metrics.jsonl ship beside the checkpoints only with outputs.dest")
+    if not run_id or not run_id.strip():
+        raise UsageError("--from-s3 needs the run's whole id", hint="dfo status or the launch's output names it")
+    spec = outputs_spec(loaded, run_id)
+    bucket, prefix = key_prefix(spec["dest"], run_id)
+    client = S3Client(spec["endpoint_url"], spec["region"] or "us-east-1", outputs_credentials(loaded))
+    try:
+        resp = client.request("GET", bucket, prefix + name)
+        body: bytes = resp.read()
+    except Exception as exc:  # noqa: BLE001 -- the endpoint cannot be reached: say which, exit 4
+        raise ConfigError(f"s3://{bucket}/{prefix}{name}: {type(exc).__name__}: {exc}",
+                          hint="check s3.endpoint_url and the network") from None
+    if resp.status == 404:
+        raise UsageError(f"no {name} of run {run_id} at s3://{bucket}/{prefix}",
+                         hint="the run's id must be whole; its node ships it every outputs.every seconds")
+    if resp.status // 100 != 2:
+        raise ConfigError(f"s3://{bucket}/{prefix}{name}: HTTP {resp.status}",
+                          hint="check the S3 credentials of this shell (AWS_ACCESS_KEY_ID, s3.profile)")
+    return body

@@ -42,6 +42,7 @@ from remote.runs.record import (
     read_json,
     write_json,
 )
+from remote.runs.runship import RunFilesShip
 from remote.ship.watch import ShipperWatch
 
 GANG = "gang.json"
@@ -277,6 +278,13 @@ def supervise(run_dir, status_fd):
     if (spec.get("outputs") or {}).get("dest"):
         shipper = ShipperWatch(run_dir, spec["outputs"], spec.get("outputs_credentials"), os.path.join(run_dir, LOG))
         shipper.start()
+    runship = None
+    if (spec.get("outputs") or {}).get("dest"):  # the log and metrics.jsonl beside the checkpoints (runship.py)
+        try:
+            runship = RunFilesShip(run_dir, meta.get("id") or os.path.basename(run_dir), spec["outputs"],
+                                   spec.get("outputs_credentials")).start()
+        except Exception:  # noqa: BLE001 -- a courtesy: never the supervisor's end
+            runship = None
     notifier = Notifier(run_dir, spec.get("notify"), meta)
     spec["notify"] = None  # the notifier holds the webhook URL (a secret)
     sampler = _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path)
@@ -323,6 +331,8 @@ def supervise(run_dir, status_fd):
     if sampler is not None:
         sampler.stop()  # the log's last training figures and one last sample
     notifier.send("stopped" if end["stopped"] else "succeeded" if end["exit_code"] == 0 else "failed", end)
+    if runship is not None:
+        runship.finish()
     if watch is not None:
         watch.wait()  # the hub outlives its trainer until every member has ended (done, failed or lost)
         watch.close()

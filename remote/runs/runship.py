@@ -1,0 +1,92 @@
+"""The run's own record beside its checkpoints (python3 3.8+, stdlib only): with outputs.dest, the
+supervisor's thread puts RUN_DIR/log and RUN_DIR/metrics.jsonl at ``DEST.dfo-runs/RUN_ID/log`` and
+``DEST.dfo-runs/RUN_ID/metrics.jsonl`` every outputs.every seconds (when they changed) and once more
+after the run ended, so ``dfo tail --from-s3`` and ``dfo plot --from-s3`` read a run whose node is gone.
+
+Under ``.dfo-runs/``: restore skips keys with a part starting with ``.dfo`` (remote/transfer/sync.py), so
+these never land in outputs.path. The log is put whole up to ``LOG_MAX`` (32 MiB), else its last 32 MiB
+(metrics.jsonl stays under 8 MiB by itself). The credentials are the shipper's (stdin only); this thread
+holds them in memory until its last put. It never fails the run: a failed put is tried again next time
+and the last error is kept in RUN_DIR/runship.json (no credentials in it).
+"""
+import os
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from remote.runs.record import now_iso, write_json
+
+LOG_MAX = 32 << 20
+FILES = ("log", "metrics.jsonl")
+RECORD = "runship.json"
+
+
+def key_prefix(dest, run_id):
+    from remote.s3.client import split_s3_url
+
+    bucket, prefix = split_s3_url(dest or "")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    return bucket, "%s.dfo-runs/%s/" % (prefix, run_id)
+
+
+class RunFilesShip(object):
+    def __init__(self, run_dir: str, run_id: str, spec: Dict[str, Any], credentials: Optional[Dict[str, Any]]) -> None:
+        self.run_dir, self.every = run_dir, float(spec.get("every") or 300)
+        self.bucket, self.prefix = key_prefix(spec.get("dest"), run_id)
+        self.client_spec = dict(spec, credentials=credentials)
+        self.client: Any = None
+        self.sent: Dict[str, Any] = {}
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="dfo-runship", daemon=True)
+        self.doc: Dict[str, Any] = {"dest": "s3://%s/%s" % (self.bucket, self.prefix), "puts": 0, "error": None}
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def finish(self, timeout=120.0):
+        """After the run ended: one last put of whatever changed."""
+        self.stop_ev.set()
+        self.thread.join(timeout)
+        self.put_changed()
+        self.client_spec = {}  # the credentials go with the last put
+
+    def _loop(self):
+        while not self.stop_ev.wait(min(self.every, 60.0)):
+            self.put_changed()
+
+    def put_changed(self):
+        if not self.client_spec:
+            return
+        for name in FILES:
+            path = os.path.join(self.run_dir, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            mark = (st.st_size, st.st_mtime_ns)
+            if self.sent.get(name) == mark:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    if st.st_size > LOG_MAX:
+                        f.seek(st.st_size - LOG_MAX)
+                    body = f.read(LOG_MAX)
+                if self.client is None:
+                    from remote.transfer.sync import make_client
+
+                    self.client = make_client(self.client_spec)
+                resp = self.client.request("PUT", self.bucket, self.prefix + name, body=body,
+                                           headers={"content-type": "text/plain"})
+                resp.read()
+                if resp.status // 100 != 2:
+                    raise OSError("HTTP %d" % resp.status)
+                self.sent[name] = mark
+                self.doc.update(puts=self.doc["puts"] + 1, last_put=now_iso(), error=None)
+            except Exception as exc:  # noqa: BLE001 -- never the run's end; the next pass tries again
+                self.doc.update(error="%s %s: %s" % (now_iso(), name, type(exc).__name__), error_ts=time.time())
+        try:
+            write_json(os.path.join(self.run_dir, RECORD), self.doc)
+        except OSError:
+            pass
