@@ -123,6 +123,7 @@ SLOW: set[str] = {
     # dead session, launch --wait's reconnect budget)
     "test_node_dies.py::test_a_node_dies_and_the_run_goes_on_without_torch",
     "test_gang.py::test_a_vanished_node_ends_the_others_and_shows_as_lost",
+    "test_metrics_node.py::test_a_lost_node_is_reported_by_another_node_of_the_gang",
     "test_fleet.py::test_exec_ctrl_c_ends_the_commands_on_the_node",
     "test_hardening_cli.py::test_printed_commands_work_when_pasted",
     "test_hardening_dest.py::test_dangerous_dests_are_refused",

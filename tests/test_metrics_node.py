@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests._runs_fixtures import RunsEnv, inventory_copy
+from tests._runs_fixtures import RunsEnv, dfo_popen, inventory_copy
 
 DATA = Path(__file__).parent / "data" / "nvidia_smi"
 FAKEBIN = "/root/dfo-fakebin"
@@ -124,7 +125,11 @@ def _rows(env: RunsEnv, run: str) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def env(testbed, tmp_path: Path) -> RunsEnv:  # type: ignore[no-untyped-def]
-    return RunsEnv(testbed, testbed.nodes[0], inventory_copy(testbed, tmp_path), tmp_path)
+    inv = inventory_copy(testbed, tmp_path)
+    doc = yaml.safe_load(inv.read_text())
+    doc["defaults"]["price_per_hour"] = 3.6  # what the node costs: status, top and report show the cost so far
+    inv.write_text(yaml.safe_dump(doc))
+    return RunsEnv(testbed, testbed.nodes[0], inv, tmp_path)
 
 
 def test_sampler_rows_top_plot_and_webhook_of_a_failed_run(env: RunsEnv) -> None:
@@ -165,12 +170,25 @@ def test_sampler_rows_top_plot_and_webhook_of_a_failed_run(env: RunsEnv) -> None
         r = env.dfo("status", "-H", env.node.name, run, "--json")
         doc = json.loads(r.stdout)["hosts"][env.node.name]["runs"][0]
         assert doc["metrics"]["sys"]["gpus"][0]["util"] in utils and doc["metrics"]["train"]["step"] == 8
+        r = env.dfo("status", "-H", env.node.name, run)  # the detail view: the last sample, the cost
+        assert r.returncode == 0 and "NVIDIA" not in r.stdout and "1 GPU util" in r.stdout, r.stdout
+        assert "step 8/100 loss 0.5" in r.stdout and "cost" in r.stdout and doc["cost"] is not None
+        r = env.dfo("report", "-H", env.node.name, run, "--json")
+        rep = json.loads(r.stdout)["hosts"][env.node.name]
+        assert rep["gpus"] == 1 and rep["mean_gpu_util"] is not None and rep["mean_tok_s"] is not None
+        assert rep["price_per_hour"] == 3.6 and rep["cost"] == round(3.6 * rep["seconds"] / 3600, 2)
         # top --once --json
         r = env.dfo("top", "-H", env.node.name, run, "--once", "--json")
         assert r.returncode == 0, r.stderr
         top = json.loads(r.stdout)["hosts"][env.node.name]
         assert top["run"] == run and top["state"] == "failed" and top["train"]["loss"] == 0.5
-        assert top["gpus"][0]["name"] == "NVIDIA H200" and top["xid"] == 1
+        assert top["gpus"][0]["name"] == "NVIDIA H200" and top["xid"] == 1 and top["cost"] is not None
+        # the live view (off a terminal it prints each refresh): Ctrl-C ends it, exit 0
+        p = dfo_popen(env.inv, "top", "-H", env.node.name, run, "--every", "1")
+        time.sleep(4)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and "dfo top" in out and run in out, out + err
         # plot: a PNG with the right series, read back
         png = env.tmp / "loss.png"
         r = env.dfo("plot", "-H", env.node.name, run, "loss", "gpu_util", "-o", str(png), "--json")
@@ -247,3 +265,34 @@ def test_tail_and_plot_from_s3_after_the_node_vanished(make_testbed, tmp_path: P
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = dfo("tail", "-H", env.node.name, "--from-s3", "-j", str(job), run + "x")
     assert r.returncode == 2 and "no log of run" in r.stderr, r.stderr
+
+
+def test_a_lost_node_is_reported_by_another_node_of_the_gang(make_testbed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The node that vanished cannot speak: the gang's hub posts `lost` for it."""
+    from tests._cli import cli_env
+    from tests._cli import dfo as run_dfo
+    from tests.test_gang import gang_job, wait_gang_ended
+
+    tb = make_testbed(nodes=2, s3=False)
+    if not tb.isolated or not tb.bridge_address:
+        pytest.skip("vanish needs namespace nodes (root)")
+    hook = Hook(tb.bridge_address)
+    try:
+        inv = inventory_copy(tb, tmp_path)
+        job, _ = gang_job(tb, tmp_path, STEPS="600")
+        doc = yaml.safe_load(job.read_text())
+        doc["notify"] = {"webhook": "${DFO_TEST_HOOK}", "on": ["lost"]}
+        job.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = run_dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--json",
+                    env=cli_env(DFO_TEST_HOOK=hook.url), timeout=120)
+        assert r.returncode == 0, r.stderr
+        run = json.loads(r.stdout)["hosts"]["node-1"]["run"]
+        time.sleep(3)  # every member has joined the hub
+        tb.vanish("node-2")
+        got = hook.wait(1, 60)  # the hub's silence rule (20 s), then the post
+        assert got and got[0]["dfo"]["event"] == "lost" and got[0]["dfo"]["lost_host"] == "node-2"
+        assert got[0]["text"].startswith(f"dfo: run {run}: node node-2 lost")
+        wait_gang_ended(inv, run, 90)
+        assert len(hook.got) == 1  # on: [lost] only: the hub's own stop is not posted
+    finally:
+        hook.close()

@@ -51,6 +51,9 @@ def message(event, meta, extra=None):
     if meta.get("started_ts"):
         took = " after %s" % _hms((extra.get("ended_ts") or time.time()) - meta["started_ts"])
     text = "dfo: run %s on %s %s%s%s" % (meta.get("id"), meta.get("host") or "?", event, how, took)
+    if event == "lost":  # sent by another node of the gang: the lost one cannot speak
+        text = "dfo: run %s: node %s lost (silent %ss; seen from %s)%s" % (
+            meta.get("id"), extra.get("lost_host") or "?", extra.get("silent_s"), meta.get("host") or "?", took)
     return {"text": text, "dfo": facts}
 
 

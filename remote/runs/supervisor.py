@@ -152,7 +152,14 @@ def _write_gang(run_dir, watch):
         pass
 
 
-def _start_gang_watch(run_dir, spec, proc, meta):
+def _on_gang_event(run_dir, box, notifier, ev):
+    if box:
+        _write_gang(run_dir, box[0])
+    if notifier is not None and ev.get("event") in ("member-lost", "hub-lost"):  # sent by a node still alive
+        notifier.send("lost", {"lost_host": ev.get("host"), "silent_s": ev.get("silent")})
+
+
+def _start_gang_watch(run_dir, spec, proc, meta, notifier=None):
     """The gang watch beside the trainer (remote/gang/watch.py): when the gang fails elsewhere, stop.json
     says why and the trainer's group gets SIGTERM, then SIGKILL after min(run.stop_grace, 30) s."""
     from remote.gang.watch import GangWatch
@@ -182,7 +189,7 @@ def _start_gang_watch(run_dir, spec, proc, meta):
     watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
                       silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
-                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None,
+                      on_event=lambda ev: _on_gang_event(run_dir, box, notifier, ev),
                       peer=gang.get("peer"))  # rank 0 listens on its gang address only (or toward the peer)
     box.append(watch)
     try:
@@ -290,7 +297,7 @@ def supervise(run_dir, status_fd):
     sampler = _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path)
     spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
     trainer_done: List[int] = []
-    watch = _start_gang_watch(run_dir, spec, proc, meta) if gang else None
+    watch = _start_gang_watch(run_dir, spec, proc, meta, notifier) if gang else None
     spec["gang"] = None  # the watch holds the secret
 
     def forward(signum, frame):  # someone ends the supervisor: end the trainer the same way, keep recording
