@@ -178,7 +178,13 @@ def host_text(h: dict[str, Any]) -> str:
         return _g((h.get(k) or 0) / 1024 if k in h else None, ".1f")
     return (f"cpu {_g(h.get('cpu_pct'), '.0f', '%')} load {_g(h.get('load1'), '.1f')} "
             f"ram {gib('mem_used')}/{gib('mem_total')}G shm {gib('shm_used')}G disk {gib('disk_used')}/"
-            f"{gib('disk_total')}G rss {gib('rss')}G")
+            f"{gib('disk_total')}G rss {_mib(h.get('rss'))}")
+
+
+def _mib(v: Any) -> str:
+    if not isinstance(v, int | float):
+        return "-"
+    return f"{v / 1024:.1f}G" if v >= 1024 else f"{v:.0f}M"
 
 
 def train_text(t: dict[str, Any] | None) -> str:
