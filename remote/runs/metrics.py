@@ -174,7 +174,7 @@ class HostReader:
         return round((total - st.f_bavail * st.f_frsize) / 1048576.0, 1), round(total / 1048576.0, 1)
 
     def rss(self, pgid):
-        """MiB resident in the trainer's process group."""
+        """The trainer's process group's resident memory, in MiB."""
         if not pgid:
             return None
         total = 0
