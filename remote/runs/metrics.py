@@ -334,7 +334,7 @@ def downsample(path, max_bytes):
     return True
 
 
-def last_rows(path, max_bytes=262144):
+def last_rows(path, max_bytes=65536):
     """The last sys row and the last train row of a metrics.jsonl (None where there is none)."""
     try:
         size = os.path.getsize(path)

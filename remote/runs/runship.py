@@ -6,7 +6,8 @@ after the run ended, so ``dfo tail --from-s3`` and ``dfo plot --from-s3`` read a
 Under ``.dfo-runs/``: restore skips keys with a part starting with ``.dfo`` (remote/transfer/sync.py), so
 these never land in outputs.path. The log is put whole up to ``LOG_MAX`` (32 MiB), else its last 32 MiB
 (metrics.jsonl stays under 8 MiB by itself). The credentials are the shipper's (stdin only); this thread
-holds them in memory until its last put. It never fails the run: a failed put is tried again next time
+holds them in memory until its last put. It never creates the bucket (a HEAD first: some S3 servers make
+a bucket on a put, which would hide a wrong outputs.dest from the shipper). It never fails the run: a failed put is tried again next time
 and the last error is kept in RUN_DIR/runship.json (no credentials in it).
 """
 import os
@@ -36,6 +37,7 @@ class RunFilesShip(object):
         self.bucket, self.prefix = key_prefix(spec.get("dest"), run_id)
         self.client_spec = dict(spec, credentials=credentials)
         self.client: Any = None
+        self.bucket_ok = False
         self.sent: Dict[str, Any] = {}
         self.stop_ev = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="dfo-runship", daemon=True)
@@ -77,6 +79,12 @@ class RunFilesShip(object):
                     from remote.transfer.sync import make_client
 
                     self.client = make_client(self.client_spec)
+                if not self.bucket_ok:  # never made by a put here (some servers create a bucket on a put)
+                    head = self.client.request("HEAD", self.bucket)
+                    head.read()
+                    if head.status // 100 != 2:
+                        raise OSError("bucket %s: HTTP %d" % (self.bucket, head.status))
+                    self.bucket_ok = True
                 resp = self.client.request("PUT", self.bucket, self.prefix + name, body=body,
                                            headers={"content-type": "text/plain"})
                 resp.read()
@@ -85,7 +93,9 @@ class RunFilesShip(object):
                 self.sent[name] = mark
                 self.doc.update(puts=self.doc["puts"] + 1, last_put=now_iso(), error=None)
             except Exception as exc:  # noqa: BLE001 -- never the run's end; the next pass tries again
-                self.doc.update(error="%s %s: %s" % (now_iso(), name, type(exc).__name__), error_ts=time.time())
+                why = str(exc) if isinstance(exc, OSError) and str(exc).startswith(("HTTP", "bucket")) else ""
+                self.doc.update(error="%s %s: %s" % (now_iso(), name, why or type(exc).__name__), error_ts=time.time())
+                break  # the same trouble for the other file: next time
         try:
             write_json(os.path.join(self.run_dir, RECORD), self.doc)
         except OSError:
