@@ -23,7 +23,7 @@ DEFAULT_METRICS = ("loss", "tok_s", "gpu_util")
 
 
 def print_log_from_s3(loaded: LoadedJob | None, run: str | None, start: int | str) -> int:
-    """dfo tail --from-s3: the run's log as its node last put it at outputs.dest/.dfo-runs/RUN/log."""
+    """dfo tail --from-s3: the run's log as its node last put it beside outputs.dest."""
     if loaded is None or not run:
         raise UsageError("dfo tail --from-s3 needs the job (-j) and the run's whole id",
                          hint="dfo tail -H HOST --from-s3 -j JOB RUN")

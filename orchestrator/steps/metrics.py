@@ -216,7 +216,7 @@ def sample_line(metrics: dict[str, Any] | None) -> str | None:
 
 def from_s3(loaded: LoadedJob, run_id: str, name: str) -> bytes:
     """RUN's ``log`` or ``metrics.jsonl`` as the node's supervisor put them beside the checkpoints
-    (outputs.dest/.dfo-runs/RUN/, remote/runs/runship.py), read with this machine's S3 credentials."""
+    (beside outputs.dest: DEST.dfo-runs/RUN/, remote/runs/runship.py), read with this machine's S3 credentials."""
     from remote.runs.runship import key_prefix
     from remote.s3.client import S3Client
 

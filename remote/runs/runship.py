@@ -1,14 +1,17 @@
 """The run's own record beside its checkpoints (python3 3.8+, stdlib only): with outputs.dest, the
-supervisor's thread puts RUN_DIR/log and RUN_DIR/metrics.jsonl at ``DEST.dfo-runs/RUN_ID/log`` and
-``DEST.dfo-runs/RUN_ID/metrics.jsonl`` every outputs.every seconds (when they changed) and once more
-after the run ended, so ``dfo tail --from-s3`` and ``dfo plot --from-s3`` read a run whose node is gone.
+supervisor's thread puts RUN_DIR/log and RUN_DIR/metrics.jsonl beside the dest folder: for a dest of
+``s3://b/ckpt/`` at ``s3://b/ckpt.dfo-runs/RUN_ID/log`` and ``.../metrics.jsonl`` (at the bucket's
+root, ``.dfo-runs/RUN_ID/``), every outputs.every seconds (60 at most) when they changed, and once
+more after the run ended, so ``dfo tail --from-s3`` and ``dfo plot --from-s3`` read a run whose node
+is gone.
 
-Under ``.dfo-runs/``: restore skips keys with a part starting with ``.dfo`` (remote/transfer/sync.py), so
-these never land in outputs.path. The log is put whole up to ``LOG_MAX`` (32 MiB), else its last 32 MiB
-(metrics.jsonl stays under 8 MiB by itself). The credentials are the shipper's (stdin only); this thread
-holds them in memory until its last put. It never creates the bucket (a HEAD first: some S3 servers make
-a bucket on a put, which would hide a wrong outputs.dest from the shipper). It never fails the run: a failed put is tried again next time
-and the last error is kept in RUN_DIR/runship.json (no credentials in it).
+Outside dest, so dest holds outputs.path's files alone and restore never brings these back (at a
+bucket's root, restore skips keys with a part starting with ``.dfo``: remote/transfer/sync.py). The
+log is put whole up to ``LOG_MAX`` (32 MiB), else its last 32 MiB (metrics.jsonl stays under 8 MiB by
+itself). The credentials are the shipper's (stdin only); this thread holds them in memory until its
+last put. It never creates the bucket (a HEAD first: some S3 servers make a bucket on a put, which
+would hide a wrong outputs.dest from the shipper). It never fails the run: a failed put is tried
+again next time and the last error is kept in RUN_DIR/runship.json (no credentials in it).
 """
 import os
 import threading
@@ -26,9 +29,8 @@ def key_prefix(dest, run_id):
     from remote.s3.client import split_s3_url
 
     bucket, prefix = split_s3_url(dest or "")
-    if prefix and not prefix.endswith("/"):
-        prefix += "/"
-    return bucket, "%s.dfo-runs/%s/" % (prefix, run_id)
+    prefix = prefix.rstrip("/")
+    return bucket, "%s.dfo-runs/%s/" % (prefix, run_id)  # beside dest, not in it: dest holds outputs.path alone
 
 
 class RunFilesShip(object):
