@@ -1,9 +1,9 @@
 """The run's own record beside its checkpoints (python3 3.8+, stdlib only): with outputs.dest, the
 supervisor's thread puts RUN_DIR/log and RUN_DIR/metrics.jsonl beside the dest folder: for a dest of
 ``s3://b/ckpt/`` at ``s3://b/ckpt.dfo-runs/RUN_ID/log`` and ``.../metrics.jsonl`` (at the bucket's
-root, ``.dfo-runs/RUN_ID/``), every outputs.every seconds (60 at most) when they changed, and once
-more after the run ended, so ``dfo tail --from-s3`` and ``dfo plot --from-s3`` read a run whose node
-is gone.
+root, ``.dfo-runs/RUN_ID/``), every outputs.every seconds (10 at least, 60 at most) when they changed,
+and once more after the run ended, once the shipper has made a pass that worked, so ``dfo tail
+--from-s3`` and ``dfo plot --from-s3`` read a run whose node is gone.
 
 Outside dest, so dest holds outputs.path's files alone and restore never brings these back (at a
 bucket's root, restore skips keys with a part starting with ``.dfo``: remote/transfer/sync.py). The
@@ -18,9 +18,10 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
-from remote.runs.record import now_iso, write_json
+from remote.runs.record import OUTPUTS, now_iso, read_json, write_json
 
 LOG_MAX = 32 << 20
+MIN_EVERY = 10.0  # seconds between puts at least, however small outputs.every is
 FILES = ("log", "metrics.jsonl")
 RECORD = "runship.json"
 
@@ -57,11 +58,16 @@ class RunFilesShip(object):
         self.client_spec = {}  # the credentials go with the last put
 
     def _loop(self):
-        while not self.stop_ev.wait(min(self.every, 60.0)):
+        while not self.stop_ev.wait(min(max(self.every, MIN_EVERY), 60.0)):
             self.put_changed()
 
+    def _shipper_ok(self):
+        """The shipper made a pass that worked (outputs.json): the endpoint, the keys and the bucket are good."""
+        doc = read_json(os.path.join(self.run_dir, OUTPUTS)) or {}
+        return int(doc.get("passes") or 0) > int(doc.get("failed_passes") or 0)
+
     def put_changed(self):
-        if not self.client_spec:
+        if not self.client_spec or not self._shipper_ok():
             return
         for name in FILES:
             path = os.path.join(self.run_dir, name)
