@@ -171,3 +171,37 @@ def test_series_rate_eta_and_summary() -> None:
     info = RunInfo(id="r", state="succeeded", started_ts=0.0, ended_ts=7200.0)
     s = sm.summary(info, rows, 2.5)
     assert s["cost"] == 5.0 and s["gpu_hours"] == 4.0 and s["mean_gpu_util"] == 75.0 and s["mean_tok_s"] == 50.0
+
+
+def test_lost_message_names_the_lost_node_and_run_files_go_beside_dest() -> None:
+    from remote.runs.runship import key_prefix
+
+    doc = notify.message("lost", {"id": "r1", "host": "node-1"}, {"lost_host": "node-2", "silent_s": 20.4})
+    assert doc["text"] == "dfo: run r1: node node-2 lost (silent 20.4s; seen from node-1)"
+    assert key_prefix("s3://b/ckpt/r1/", "r1") == ("b", "ckpt/r1.dfo-runs/r1/")
+    assert key_prefix("s3://b", "r1") == ("b", ".dfo-runs/r1/")
+
+
+def test_job_fields_log_metrics_and_webhook(tmp_path: Path, monkeypatch: Any) -> None:
+    import pytest
+
+    from orchestrator.config.models import load_job
+    from orchestrator.errors import ConfigError
+    from orchestrator.steps.metrics_spec import launch_fields
+
+    job = tmp_path / "j.yaml"
+    job.write_text("name: j\nrun:\n  command: python3 t.py\n  log_metrics: {acc: 'acc ([0-9.]+) (x)'}\n")
+    with pytest.raises(ConfigError) as err:
+        load_job(job)
+    assert "run.log_metrics" in str(err.value.render()) and "2 groups" in str(err.value.render())
+    job.write_text("name: j\nrun:\n  command: python3 t.py\n  idle_minutes: 30\n  idle_action: stop\n"
+                   "notify: {webhook: $DFO_T_HOOK, on: [failed]}\n")
+    monkeypatch.delenv("DFO_T_HOOK", raising=False)
+    with pytest.raises(ConfigError) as err:
+        launch_fields(load_job(job))
+    assert "DFO_T_HOOK is not set" in err.value.render()
+    monkeypatch.setenv("DFO_T_HOOK", "https://hooks.example/T/B/x")
+    got = launch_fields(load_job(job))
+    assert got["notify"] == {"webhook": "https://hooks.example/T/B/x", "on": ["failed"]}
+    assert got["metrics"]["every"] == 10 and got["metrics"]["idle_minutes"] == 30
+    assert got["metrics"]["idle_action"] == "stop"

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from remote.lib.redact import is_secret
@@ -285,6 +285,14 @@ class NotifyConfig(Strict):
     webhook: str
     on: list[Literal["failed", "lost", "restarted", "succeeded", "stopped", "idle"]] = [
         "failed", "lost", "restarted", "succeeded", "idle"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, v: object) -> object:
+        """YAML 1.1 reads a bare ``on:`` key as true: take it as ``on``."""
+        if isinstance(v, dict) and True in v and "on" not in v:
+            v = {("on" if k is True else k): x for k, x in v.items()}
+        return v
 
 
 class Job(Strict):
