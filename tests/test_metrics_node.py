@@ -263,6 +263,10 @@ def test_tail_and_plot_from_s3_after_the_node_vanished(make_testbed, tmp_path: P
     series = json.loads(r.stdout)["series"]
     assert next(s for s in series if s["metric"] == "loss")["x"] == list(range(1, 9))
     assert png.read_bytes()[:4] == b"\x89PNG"
+    r = dfo("report", "-H", env.node.name, "--from-s3", "-j", str(job), run, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)["hosts"][env.node.name]
+    assert rep["last_step"] == 8 and rep["last_loss"] == 0.5 and rep["gpus"] == 1 and rep["mean_gpu_util"] == 100
     r = dfo("tail", "-H", env.node.name, "--from-s3", "-j", str(job), run + "x")
     assert r.returncode == 2 and "no log of run" in r.stderr, r.stderr
 

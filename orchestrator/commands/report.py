@@ -6,9 +6,11 @@ from typing import Any
 
 import click
 
-from ..cli_common import console, emit, hosts_option, job_option, json_option, safe
+from ..cli_common import console, emit, hosts_option, job_option, json_option, print_json, safe
 from ..config.models import load_job
+from ..errors import UsageError
 from ..steps import metrics as sm
+from ..steps.runs import RunInfo
 from ..transport.base import Transport
 from .runs_follow import run_workspace
 
@@ -32,10 +34,13 @@ def render(host: str, s: dict[str, Any]) -> None:
 @click.command("report")
 @hosts_option
 @click.argument("run", required=False)
+@click.option("--from-s3", "from_s3", is_flag=True,
+              help="Read the run's metrics.jsonl from beside outputs.dest (with -j; RUN whole): for a run whose "
+                   "node is gone. Its times are those of the first and last rows.")
 @job_option(required=False)
 @json_option
 @click.pass_context
-def report_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_path: str | None,
+def report_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, from_s3: bool, job_path: str | None,
                as_json: bool) -> int:
     """What a run cost and how it used its GPUs: cost, GPU-hours, mean GPU utilisation, tokens/s.
 
@@ -51,6 +56,20 @@ def report_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     from ..hosts import HostSession
 
     sess = HostSession(ctx.obj.get("inventory"), hosts)
+    if from_s3:  # no node: the rows the node put beside outputs.dest, priced as the first host of -H
+        if loaded is None or not run:
+            raise UsageError("dfo report --from-s3 needs the job (-j) and the run's whole id",
+                             hint="dfo report -H HOST --from-s3 -j JOB RUN")
+        rows = sm.parse_jsonl(sm.from_s3(loaded, run, "metrics.jsonl"))
+        ts = [float(r["t"]) for r in rows if isinstance(r.get("t"), int | float)]
+        info = RunInfo(id=run, job=loaded.job.name, state="unknown (from S3)", started_ts=min(ts, default=None),
+                       ended_ts=max(ts, default=None), host=sess.names[0])
+        doc = sm.summary(info, rows, sm.price_of(sess.inventory, sess.names[0]))
+        if as_json:
+            print_json({"hosts": {sess.names[0]: doc}})
+        else:
+            render(sess.names[0], doc)
+        return 0
 
     def one(conn: Transport) -> dict[str, Any]:
         info, rows = sm.fetch(conn, run_workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None)
