@@ -335,9 +335,9 @@ def supervise(run_dir, status_fd):
         # dfo stop on this node (not the gang's own stop): the gang ends too, and says it was stopped
         watch.trainer_ended(code, how="stopped" if stop is not None and not asked.startswith("gang failed") else None)
     write_json(os.path.join(run_dir, END), end)
-    if sampler is not None:
-        sampler.stop()  # the log's last training figures and one last sample
     notifier.send("stopped" if end["stopped"] else "succeeded" if end["exit_code"] == 0 else "failed", end)
+    if sampler is not None:
+        sampler.stop()  # the log's last training figures and one last sample (after the alert: nvidia-smi may hang)
     if runship is not None:
         runship.finish()
     if watch is not None:
