@@ -1,19 +1,29 @@
-"""Run remote/ modules on a node: upload once per content hash, then ``python3 -m remote.<name>``.
+"""Run remote/ modules on a node: their code travels once per content hash, then ``python3 -m remote.<name>``.
 
-The package remote/ is packed into a tar.gz whose sha256 names its place on the node,
-``$HOME/.cache/dfo/agent/<hash>/``. A call that finds it there costs one round trip; a
-missing copy is uploaded through stdin (no sftp needed) and made visible by an atomic rename.
+The package remote/ is named by one hash over its files; its place on the node is
+``$HOME/.cache/dfo/agent/<hash>/``. It travels in two parts, each a tar.gz built here: ``core``
+(all of remote/ but the vendored packaging, about 134 kB) and ``vendor`` (remote/_vendor/packaging,
+about 88 kB), the second only for the modules that import it (``VENDOR_USERS``: provision, pkgcheck,
+the GPU preflight). A call to a node this machine knows holds the parts it needs (a record under
+~/.cache/dfo/agent-known/, per user, host and port) is one command that checks their markers. A
+call to a node not known to hold them carries them in the same command (remote/_boot.py: the
+parts' bytes first on stdin, each checked against its sha256, unpacked under a temporary name and
+renamed into place; then the module runs): no extra round trip. When the record was wrong (the node's
+cache was removed) the command exits NEED_UPLOAD and is made again with the parts: one more.
 The module reads its request (JSON) from stdin and answers with one framed JSON document.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
+import os
 import re
 import shlex
 import tarfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +32,7 @@ from typing import Any, cast
 
 import remote
 from remote._proto import RESULT_PREFIX, split_frame
+from remote.lib.fsutil import write_atomic
 
 from . import nodepath
 from .errors import (
@@ -64,6 +75,11 @@ class NodeModules:
 NODE = NodeModules()
 NEED_UPLOAD = 97
 PY_MISSING = 127
+PARTS = ("core", "vendor")  # in the order they are installed; the node marks each: D/.complete, D/.vendor
+MARKERS = {"core": ".complete", "vendor": ".vendor"}
+# the entry modules whose code imports the vendored packaging (tests/test_agent_bundle.py checks the set
+# against every import, and every ``-m remote.X`` a node module starts, reachable from each entry)
+VENDOR_USERS = frozenset({NODE.provision, NODE.pkgcheck, NODE.gpu_preflight})
 
 
 def _bundle_files() -> list[Path]:
@@ -72,6 +88,16 @@ def _bundle_files() -> list[Path]:
         if p.is_file() and "__pycache__" not in p.parts
         and (p.suffix in {".py", ".json", ".txt"} or p.name.startswith("LICENSE"))
     )
+
+
+def part_of(rel: str) -> str:
+    """The part a bundle file (``remote/...``) travels in."""
+    return "vendor" if rel.startswith("remote/_vendor/packaging/") else "core"
+
+
+def parts_for(module: str) -> tuple[str, ...]:
+    """The parts a node module needs on the node."""
+    return PARTS if module in VENDOR_USERS else ("core",)
 
 
 @lru_cache(maxsize=1)
@@ -84,53 +110,122 @@ def bundle_digest() -> str:
     return h.hexdigest()[:16]
 
 
-@lru_cache(maxsize=1)
-def bundle() -> tuple[str, bytes]:
-    """(hash, tar.gz bytes) of remote/*.py, data files and vendored licences, deterministic."""
-    files = _bundle_files()
-    digest = bundle_digest()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+@lru_cache(maxsize=3)
+def bundle(part: str | None = None) -> tuple[str, bytes]:
+    """(hash, tar.gz bytes) of one part of the node code (None: all of it in one archive), deterministic:
+    remote/*.py, data files and the vendored licences; no __pycache__."""
+    files = [p for p in _bundle_files()
+             if part is None or part_of(p.relative_to(REMOTE_ROOT.parent).as_posix()) == part]
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for p in files:
             info = tarfile.TarInfo(p.relative_to(REMOTE_ROOT.parent).as_posix())
             data = p.read_bytes()
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    return digest, buf.getvalue()
+    return bundle_digest(), gzip.compress(raw.getvalue(), compresslevel=6, mtime=0)  # 9: 4x the time, 0.7% less
+
+
+def bundle_sizes() -> dict[str, int]:
+    """Each part's size as it travels (bytes of its tar.gz)."""
+    return {part: len(bundle(part)[1]) for part in PARTS}
 
 
 def agent_dir_expr(digest: str) -> str:
     return f'"$HOME/.cache/dfo/agent/{digest}"'
 
 
-def upload_agent(conn: Transport) -> None:
-    digest, data = bundle()
-    d = agent_dir_expr(digest)
-    cmd = (
-        f'D={d}; T="$D.tmp.$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf - -C "$T" '
-        f'&& touch "$T/.complete" && {{ mv -T "$T" "$D" 2>/dev/null || rm -rf "$T"; }}'
-    )
-    res = conn.run(cmd, stdin=data, timeout=120)
-    if res.exit_code != 0:
-        raise AgentMissing(f"could not upload dfo's remote code: {plain_tail(res.stderr, 300)}", host=conn.name,
-                                 hint="is $HOME writable and tar installed on the node?")
+# --------------------------------------------------------------------------- which nodes hold which parts
+
+_KNOWN: dict[str, set[str]] = {}  # node key -> parts of this bundle it holds, as this process saw or read
+_KNOWN_LOCK = threading.Lock()
+
+
+def _node_key(conn: Transport) -> str:
+    h = conn.host  # fields read with defaults: a stand-in host (tests) may carry only some
+    return f"{getattr(h, 'user', '')}@{getattr(h, 'hostname', '') or conn.name}:{getattr(h, 'port', '')}"
+
+
+def _known_path(key: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "agent-known"
+    return base / (hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
+
+
+def known_parts(conn: Transport) -> set[str]:
+    """The parts of this bundle the node holds, as far as this machine knows (a guess: the node's
+    markers decide)."""
+    key = _node_key(conn)
+    with _KNOWN_LOCK:
+        if key not in _KNOWN:
+            try:
+                doc = json.loads(_known_path(key).read_text())
+            except (OSError, ValueError):
+                doc = None
+            ok = isinstance(doc, dict) and doc.get("node") == key and doc.get("digest") == bundle_digest()
+            _KNOWN[key] = {p for p in doc.get("parts") or [] if p in PARTS} if ok else set()
+        return set(_KNOWN[key])
+
+
+def _remember(conn: Transport, parts: set[str]) -> None:
+    key = _node_key(conn)
+    with _KNOWN_LOCK:
+        if parts == _KNOWN.get(key):
+            return
+        _KNOWN[key] = set(parts)
+        path = _known_path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            doc = {"node": key, "digest": bundle_digest(), "parts": sorted(parts)}
+            write_atomic(str(path), json.dumps(doc).encode("utf-8", "surrogateescape"))
+        except OSError:
+            pass  # a record that cannot be written costs only the parts' bytes on the next first call
+
+
+@lru_cache(maxsize=1)
+def _boot_text() -> str:
+    return (REMOTE_ROOT / "_boot.py").read_text()
 
 
 def module_command(module: str, python: str, env: dict[str, str] | None = None, args: list[str] | None = None,
-                   flags: str = "") -> str:
-    """``flags``: python's own options, before -m (``-S``: a module that needs no site-packages)."""
+                   flags: str = "", carry: list[tuple[str, str, int]] | None = None) -> str:
+    """``flags``: python's own options, before -m (``-S``: a module that needs no site-packages).
+    ``carry``: (part, sha256, size) of the parts whose bytes come first on stdin (remote/_boot.py
+    installs the missing ones, then runs the module); without it the parts' markers are checked
+    and a node that lacks one exits NEED_UPLOAD."""
     digest = bundle_digest()
     envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
     argv = " ".join(shlex.quote(a) for a in (args or []))
+    py = nodepath.shell(python)
+    if carry:
+        specs = ",".join(f"{part}:{sha}:{size}" for part, sha, size in carry)
+        return (
+            f'D={agent_dir_expr(digest)}; command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; '
+            f'mkdir -p "$HOME/.cache/dfo/agent" && cd "$HOME/.cache/dfo/agent" && PYTHONDONTWRITEBYTECODE=1 {envs} '
+            f'exec {py} {flags} -c {shlex.quote(_boot_text())} "$D" {specs} {module} {argv}'
+        )
+    checks = " && ".join(f'[ -f "$D/{MARKERS[p]}" ]' for p in parts_for(module))
     return (
-        f'D={agent_dir_expr(digest)}; [ -f "$D/.complete" ] || exit {NEED_UPLOAD}; '
-        f'command -v {nodepath.shell(python)} >/dev/null 2>&1 || exit {PY_MISSING}; '
+        f'D={agent_dir_expr(digest)}; {checks} || exit {NEED_UPLOAD}; '
+        f'command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; '
         f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
-        f'exec {nodepath.shell(python)} {flags} -m {module} {argv}'
+        f'exec {py} {flags} -m {module} {argv}'
     )
 
 
+def _carried(parts: list[str]) -> tuple[list[tuple[str, str, int]], bytes]:
+    """(part, sha256, size) of each part to carry, and their bytes in that order."""
+    blobs = [bundle(p)[1] for p in parts]
+    return [(p, hashlib.sha256(b).hexdigest(), len(b)) for p, b in zip(parts, blobs, strict=True)], b"".join(blobs)
+
+
+def carried_parts(module: str) -> tuple[list[tuple[str, str, int]], bytes]:
+    """Every part ``module`` needs, to carry on a call's stdin (``module_command(carry=...)``): for a
+    caller that runs the command itself (pull's raw stream) and met a node that lost dfo's code."""
+    return _carried(list(parts_for(module)))
+
+
 _ERR_CLASSES: dict[str, type[DfoError]] = {
+    "agent": AgentMissing,  # remote/_boot.py: the node code arrived short or damaged, or could not be installed
     "verify": VerifyError,
     "config": ConfigError,
     "usage": ConfigError,
@@ -190,27 +285,36 @@ def run_module(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
-    payload: bytes | None = None,
+    payload: bytes | list[bytes] | None = None,
     flags: str = "",
 ) -> Any:
     """Run ``python3 -m <module>`` on the node with ``request`` on stdin; return the result's data.
 
-    The request is one line of JSON; ``payload`` (bytes an op takes, such as code push's files)
-    follows it on stdin. ``env`` is for non-secret values only (they appear in the node's process
-    listing); put secrets in ``request``. ``flags``: python's own options (``-S`` for a module that
-    needs no site-packages). Frames are found wherever they start in a line, so a login shell's
-    banner or title escape glued in front of one does no harm. Only the result frame is kept in
-    memory; events go to ``on_event`` as they arrive. A node without this bundle gets it uploaded
-    and the call is made again, once.
+    The request is one line of JSON; ``payload`` (bytes an op takes, such as code push's files, or
+    a list of chunks sent one after another) follows it on stdin. ``env`` is for non-secret values
+    only (they appear in the node's process listing); put secrets in ``request``. ``flags``:
+    python's own options (``-S`` for a module that needs no site-packages). Frames are found
+    wherever they start in a line, so a login shell's banner or title escape glued in front of one
+    does no harm. Only the result frame is kept in memory; events go to ``on_event`` as they
+    arrive. dfo's node code goes first on stdin when this machine does not know the node holds the
+    parts the module needs; a node that lacks them after all (exit NEED_UPLOAD) gets the call again
+    with them, once.
     """
     py = python or conn.host.python
     text = json.dumps(request or {})
-    stdin: bytes | str = text
-    if payload is not None:
-        buf = bytearray(text.encode() + b"\n")
-        buf += payload
+    needed = parts_for(module)
+
+    def stdin_for(carry: bytes) -> bytes | str:
+        if payload is None and not carry:
+            return text
+        buf = bytearray(carry)
+        buf += text.encode()
+        if payload is not None:
+            buf += b"\n"
+            for chunk in [payload] if isinstance(payload, bytes) else payload:  # one copy of each file's bytes
+                buf += chunk
         # a memoryview: paramiko's sendall slices what is left after each packet, a copy of the rest for bytes
-        stdin = cast(bytes, memoryview(buf))
+        return cast(bytes, memoryview(buf))
 
     def on_line(line: str) -> bool:
         """Dispatch an event; True for the result frame, the one line the connection keeps."""
@@ -228,11 +332,20 @@ def run_module(
                 on_event(ev)
         return False
 
-    cmd = module_command(module, py, env, args, flags=flags)
-    res = conn.run(cmd, stdin=stdin, timeout=timeout, on_line=on_line)
-    if res.exit_code == NEED_UPLOAD:
-        upload_agent(conn)
-        res = conn.run(cmd, stdin=stdin, timeout=timeout, on_line=on_line)
+    def call(parts: list[str]) -> Result:
+        specs, blobs = _carried(parts) if parts else ([], b"")
+        cmd = module_command(module, py, env, args, flags=flags, carry=specs)
+        return conn.run(cmd, stdin=stdin_for(blobs), timeout=timeout, on_line=on_line)
+
+    known = known_parts(conn)
+    carry = [p for p in needed if p not in known]
+    res = call(carry)
+    if res.exit_code == NEED_UPLOAD:  # this machine's record was wrong: the node lacks a part
+        known = set()
+        carry = list(needed)
+        res = call(carry)
+    if carry and RESULT_PREFIX in res.stdout and '"kind": "agent"' not in res.stdout:  # the module ran
+        _remember(conn, known | set(needed))
     if res.exit_code == PY_MISSING and RESULT_PREFIX not in res.stdout:
         raise VerifyError(f"{py} not found on the node", host=conn.name,
                           hint="install python3 (3.8 or newer) there, or set python: for this host in the inventory")

@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "What a run cost and how it used its GPUs: cost, GPU-hours, mean GPU utilisation, tokens/s."),
     "exec": ("exec", "exec_cmd", "Run a command on every host at once; output prefixed by host, exit status per host."),
     "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
+    "watch": ("watch", "watch_cmd",
+              "Watch a running run and recover it: a lost node replaced by a spare, a killed trainer relaunched."),
     "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
 }
 

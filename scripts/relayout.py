@@ -504,8 +504,9 @@ def rewrite_imports(path: str, text: str, mods: set[str], moved_now: set[str]) -
 
 # --------------------------------------------------------------------------------------------- text
 
-def _dotted_rules(mods: set[str]) -> list[tuple[re.Pattern[str], object]]:
-    rules: list[tuple[re.Pattern[str], object]] = []
+# each rule: (pattern, replacement, a literal the pattern cannot match without: a text without it is skipped)
+def _dotted_rules(mods: set[str]) -> list[tuple[re.Pattern[str], object, str]]:
+    rules: list[tuple[re.Pattern[str], object, str]] = []
     for old in sorted(OLD2NEW, key=len, reverse=True):
         new = OLD2NEW[old]
         if old == new:
@@ -515,20 +516,20 @@ def _dotted_rules(mods: set[str]) -> list[tuple[re.Pattern[str], object]]:
                 attr = m.group(1)
                 keep = f"{old}.{attr}" in mods or (attr in init_names(old) and attr not in defined_names(new))
                 return m.group(0) if keep else f"{new}.{attr}"
-            rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}\.(\w+)"), sub))
+            rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}\.(\w+)"), sub, old))
         else:
-            rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}(?![\w])"), new))
+            rules.append((re.compile(rf"(?<![\w.]){re.escape(old)}(?![\w])"), new, old))
     return rules
 
 
-def _path_rules() -> list[tuple[re.Pattern[str], str]]:
+def _path_rules() -> list[tuple[re.Pattern[str], str, str]]:
     rules = []
     for old, new in sorted(MOVES, key=lambda m: len(m[0]), reverse=True):
         if old.endswith((".py", ".json")):
-            rules.append((re.compile(rf"(?<![\w-]){re.escape(old)}(?![\w/])"), new))
+            rules.append((re.compile(rf"(?<![\w-]){re.escape(old)}(?![\w/])"), new, old))
         else:  # a folder: the name alone, or followed by a slash
-            rules.append((re.compile(rf"(?<![\w-]){re.escape(old)}(?![\w])"), new))
-    rules.append((re.compile(r'/ "demo_job" /'), '/ "demo" / "job" /'))
+            rules.append((re.compile(rf"(?<![\w-]){re.escape(old)}(?![\w])"), new, old))
+    rules.append((re.compile(r'/ "demo_job" /'), '/ "demo" / "job" /', '"demo_job"'))
     return rules
 
 
@@ -554,10 +555,12 @@ def _rewrite_text(text: str, mods: set[str], dotted, paths) -> str:  # type: ign
         return "; ".join(render_from(b, ns, None) for b, ns in groups)
 
     text = _FROM_TEXT.sub(from_sub, text)
-    for pat, rep in paths:
-        text = pat.sub(rep, text)
-    for pat, rep in dotted:
-        text = pat.sub(rep, text)  # type: ignore[call-overload]
+    for pat, rep, literal in paths:
+        if literal in text:
+            text = pat.sub(rep, text)
+    for pat, rep, literal in dotted:
+        if literal in text:
+            text = pat.sub(rep, text)  # type: ignore[call-overload]
     return text
 
 

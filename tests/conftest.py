@@ -124,6 +124,12 @@ SLOW: set[str] = {
     "test_node_dies.py::test_a_node_dies_and_the_run_goes_on_without_torch",
     "test_gang.py::test_a_vanished_node_ends_the_others_and_shows_as_lost",
     "test_metrics_node.py::test_a_lost_node_is_reported_by_another_node_of_the_gang",
+    "test_recovery.py::test_a_lost_node_is_replaced_by_a_spare",  # recovery (issue 20): whole stories
+    "test_recovery.py::test_a_killed_trainer_is_restarted_and_exit_1_is_not",
+    "test_recovery.py::test_a_watcher_killed_mid_recovery_finishes_it_when_started_again",
+    "test_recovery.py::test_a_partitioned_node_that_comes_back_is_fenced",
+    "test_recovery.py::test_a_gang_loses_rank_0_and_a_spare_takes_its_rank",
+    "test_recovery.py::test_a_gang_restarts_on_sigkill_and_not_on_exit_1",
     "test_fleet.py::test_exec_ctrl_c_ends_the_commands_on_the_node",
     "test_hardening_cli.py::test_printed_commands_work_when_pasted",
     "test_hardening_dest.py::test_dangerous_dests_are_refused",
@@ -182,6 +188,16 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "changes what every test shares)")
     for k, v in TEST_TIMEOUTS.items():
         os.environ.setdefault(k, v)
+    # dfo's caches on this machine (help texts, code hashes, what each node holds): a folder of this test
+    # session, never the real ~/.cache/dfo (each pytest-xdist worker gets its own; removed at exit)
+    if "DFO_TEST_CACHE" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        cache = tempfile.mkdtemp(prefix="dfo-test-cache-")
+        atexit.register(shutil.rmtree, cache, True)
+        os.environ["DFO_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = cache
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -281,9 +281,12 @@ def test_a_push_from_here_again_is_one_command(env: Env, monkeypatch: pytest.Mon
     c = Counted(env)
     try:
         first = c.push(job)
-        assert (first.status, first.fetched) == ("done", 20)  # the node's manifest, then the files (and the agent)
+        # the node's manifest (dfo's node code carried in the same command: this machine never saw the
+        # node), then the files: two commands
+        assert (first.status, first.fetched, len(c.commands)) == ("done", 20, 2)
         ran = [cmd for cmd in c.commands if "remote.files.push" in cmd]
-        assert ran and all(" -S -m remote.files.push" in cmd for cmd in ran), ran  # no site-packages on the node
+        assert " -S -c " in ran[0] and " remote.files.push " in ran[0]  # the node code first, then the module
+        assert " -S -m remote.files.push" in ran[1], ran  # no site-packages on the node
         none = c.push(job)
         assert (none.status, none.fetched, len(c.commands)) == ("no change", 0, 1)
         (env.src / "m3.py").write_text("x = 'three'\n")

@@ -178,6 +178,10 @@ def test_lost_message_names_the_lost_node_and_run_files_go_beside_dest() -> None
 
     doc = notify.message("lost", {"id": "r1", "host": "node-1"}, {"lost_host": "node-2", "silent_s": 20.4})
     assert doc["text"] == "dfo: run r1: node node-2 lost (silent 20.4s; seen from node-1)"
+    doc = notify.message("restarted", {"id": "r1", "host": "node-3"},
+                         {"generation": 2, "why": "lost", "lost_host": "node-1", "resumed_step": 40})
+    assert doc["text"].startswith("dfo: run r1 on node-3 restarted (generation 2, after lost on node-1)")
+    assert doc["dfo"]["resumed_step"] == 40
     assert key_prefix("s3://b/ckpt/r1/", "r1") == ("b", "ckpt/r1.dfo-runs/r1/")
     assert key_prefix("s3://b", "r1") == ("b", ".dfo-runs/r1/")
 

@@ -104,15 +104,16 @@ class _Conn:
 
 
 def test_run_module_sends_the_payload_after_the_request_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    uploads: list[object] = []
-    monkeypatch.setattr(agent, "upload_agent", uploads.append)
-    conn = _Conn(agent.NEED_UPLOAD)  # the first call finds no bundle: one upload, then the call again
+    monkeypatch.setattr(agent, "known_parts", lambda conn: set(agent.PARTS))  # believed to hold dfo's node code
+    monkeypatch.setattr(agent, "_remember", lambda conn, parts: None)
+    conn = _Conn(agent.NEED_UPLOAD)  # ...but it lacks it: the call again, the code first on stdin
     got = agent.run_module(conn, agent.NODE.push, {"op": "sync", "dest": "/x"}, payload=b"\x00bytes",
                            flags="-S")  # type: ignore[arg-type]
-    assert got == {"n": 1} and uploads == [conn] and len(conn.calls) == 2
-    for command, stdin in conn.calls:
-        assert " -S -m remote.files.push" in command
-        assert bytes(stdin) == json.dumps({"op": "sync", "dest": "/x"}).encode() + b"\n\x00bytes"
+    assert got == {"n": 1} and len(conn.calls) == 2
+    req = json.dumps({"op": "sync", "dest": "/x"}).encode() + b"\n\x00bytes"
+    (first, sent1), (again, sent2) = conn.calls
+    assert " -S -m remote.files.push" in first and bytes(sent1) == req
+    assert " -S -c " in again and " remote.files.push" in again and bytes(sent2) == agent.bundle("core")[1] + req
     conn = _Conn()
     agent.run_module(conn, agent.NODE.runs, {"op": "status"})  # type: ignore[arg-type]
     assert conn.calls[0][1] == json.dumps({"op": "status"})  # no payload: the request alone, as before

@@ -120,16 +120,21 @@ def test_a_command_reaches_sh_unchanged_through_any_login_shell(shell: str) -> N
 
 
 @on_testbed
-def test_a_host_alias_defined_only_in_an_included_file(testbed: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["openssh", "paramiko"])
+def test_a_host_alias_defined_only_in_an_included_file(testbed: Any, tmp_path: Path, transport: str) -> None:
+    """Both transports: OpenSSH applies the Include itself; paramiko connects where `ssh -G` says the host is
+    (before: paramiko's own parser skipped the Include, and the alias did not resolve: exit 4)."""
     node = testbed.nodes[0]
     (tmp_path / "config.d").mkdir()
     (tmp_path / "config.d" / "gpu.conf").write_text(f"Host gpu-included\n  HostName {node.address}\n"
                                                     f"  Port {node.port}\n")
     cfg = tmp_path / "ssh_config"
     cfg.write_text(f"Include {tmp_path}/config.d/*.conf\nHost *\n  UserKnownHostsFile {tmp_path}/user_kh\n")
-    inv = inventory(testbed, tmp_path, defaults={"ssh_config": str(cfg), "transport": "openssh"},
+    inv = inventory(testbed, tmp_path, defaults={"ssh_config": str(cfg), "transport": transport},
                     inc={"host": "gpu-included"})
-    assert hostname_of(dfo(inv, "verify-env", "-H", "inc", "--json"), "inc") == node.name
+    r = dfo(inv, "verify-env", "-H", "inc", "--json")
+    assert hostname_of(r, "inc") == node.name
+    assert "does not apply" not in r.stderr, r.stderr  # the Include was applied: nothing to name
 
 
 @on_testbed
@@ -414,10 +419,30 @@ def test_the_paramiko_transport_names_the_ssh_config_keywords_it_does_not_apply(
                    "hosts:\n  a: {host: gpu, transport: paramiko}\n  b: {host: gpu, transport: openssh}\n")
     r = dfo(inv, "status", "-H", "a")
     assert r.returncode == 4, r.stderr
-    assert ("dfo: a: the paramiko transport does not apply Include, IdentitiesOnly, IdentityAgent, CertificateFile "
+    # an OpenSSH client is on PATH: paramiko's settings come from `ssh -G`, which applied the Include
+    assert ("dfo: a: the paramiko transport does not apply IdentitiesOnly, IdentityAgent, CertificateFile "
             "from ssh_config (transport: openssh does)") in r.stderr, r.stderr
     r = dfo(inv, "status", "-H", "b")
     assert r.returncode == 4 and "does not apply" not in r.stderr, r.stderr
+    # no OpenSSH client: paramiko reads the files itself, and the Include is one more keyword it names
+    r = dfo(inv, "status", "-H", "a", PATH=str(tmp_path))
+    assert r.returncode == 4, r.stderr
+    assert ("dfo: a: the paramiko transport does not apply Include, IdentitiesOnly, IdentityAgent, CertificateFile "
+            "from ssh_config (transport: openssh does)") in r.stderr, r.stderr
+
+
+def test_the_paramiko_transport_names_keywords_set_only_in_an_included_file(tmp_path: Path) -> None:
+    """`ssh -G` sees what an included file sets for the host; paramiko cannot apply IdentitiesOnly: said."""
+    (tmp_path / "more.conf").write_text("Host gpu\n  IdentitiesOnly yes\n  ForwardAgent yes\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Include {tmp_path}/more.conf\nHost gpu\n  HostName 127.0.0.1\n  Port 1\n")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}, connect_timeout: 1, ssh_config: {cfg}}}\n"
+                   "hosts:\n  a: {host: gpu, transport: paramiko}\n")
+    r = dfo(inv, "status", "-H", "a")
+    assert r.returncode == 4, r.stderr
+    assert ("dfo: a: the paramiko transport does not apply IdentitiesOnly, ForwardAgent from ssh_config "
+            "(transport: openssh does)") in r.stderr, r.stderr
 
 
 def test_a_commands_help_is_printed_from_its_rendered_text_without_importing_the_command(tmp_path: Path) -> None:
@@ -434,3 +459,12 @@ def test_a_commands_help_is_printed_from_its_rendered_text_without_importing_the
     assert first[0] == second[0] and first[0].startswith("Usage: dfo status"), runs
     assert first[1].strip() != "[]" and second[1].strip() == "[]", (first[1], second[1])
     assert len(list((tmp_path / "dfo" / "help").iterdir())) == 1
+
+
+def test_ssh_g_proxy_jump_is_rewritten_as_fabric_parses_a_hop() -> None:
+    """`ssh -G` writes IPv4 hops in brackets (root@[10.0.0.2]:22); fabric would take the brackets for the name."""
+    from orchestrator.transport.resolve import _fabric_jump
+
+    assert _fabric_jump("root@1.1.1.1,root@[2.2.2.2]:2222") == "root@1.1.1.1,root@2.2.2.2:2222"
+    assert _fabric_jump("[gpu-a]:22,u@gpu-b") == "gpu-a:22,u@gpu-b"
+    assert _fabric_jump("u@[fe80::1]") == "u@fe80::1"

@@ -169,8 +169,9 @@ def node(tmp_path: Path) -> LocalNode:
 
 def test_the_shipper_gets_the_credentials_on_stdin_only_and_ships_while_the_trainer_runs(
         node: LocalNode, tmp_path: Path) -> None:
-    run = node.launch("env > trainer-env.txt; cat /proc/$$/environ > trainer-environ.bin; sleep 1.5",
-                      spec(tmp_path), CREDS)
+    # the trainer runs until the test says go (at most 60 s): a loaded machine cannot end it before status
+    run = node.launch("env > trainer-env.txt; cat /proc/$$/environ > trainer-environ.bin; "
+                      "for i in $(seq 600); do [ -e go ] && break; sleep 0.1; done", spec(tmp_path), CREDS)
     rd = node.run_dir(run)
     # passes happen while the trainer runs, every `every` seconds
     assert node.wait_for(lambda: (json.loads((rd / "outputs.json").read_text()).get("passes", 0) >= 2
@@ -181,6 +182,7 @@ def test_the_shipper_gets_the_credentials_on_stdin_only_and_ships_while_the_trai
     got = [json.loads(ln) for ln in (rd / "fake-received.jsonl").read_text().splitlines()]
     assert got[0]["secret_sha"] == hashlib.sha256(SECRET.encode()).hexdigest()  # it reached the shipper
     assert got[0]["argv"][1:] == [str(rd)] and "credentials" not in got[0]["spec"]
+    (node.workdir / "go").touch()
     fin, _ = node.call({"op": "follow", "run": run}, timeout=30)
     assert fin["state"] == "succeeded" and fin["outputs"]["state"] == "done"
     # never on disk, in the trainer's environment, or in the log

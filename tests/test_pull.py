@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import time
@@ -136,6 +137,23 @@ def test_pull_resumes_and_checks_the_whole_file(penv: PullEnv, tmp_path: Path) -
     assert list(parts.glob("*.part")) == []
 
 
+@pytest.mark.usefixtures("each_ssh_transport")
+def test_pull_streams_raw_bytes_on_each_ssh_transport(penv: PullEnv, tmp_path: Path) -> None:
+    """The raw stream on the OpenSSH and the paramiko transport: an empty file, a file of an odd size
+    (not a whole number of records) and the rest arrive as the node has them, each checked."""
+    wd = penv.workdir
+    r = penv.tb.node_exec(penv.node, f": > {wd}/out/empty.bin && head -c 5000001 /dev/urandom > {wd}/out/odd.bin")
+    assert r.returncode == 0, r.stderr
+    to = tmp_path / "got"
+    got = penv.pull(penv.run, "out", "--to", str(to))
+    rels = ["out/ckpt.bin", "out/empty.bin", "out/odd.bin", "out/sub/with space 'q' $(x).txt"]
+    assert got["fetched"] == 4 and got["bytes"] == (3 << 20) + 5000001 + 4, got
+    for rel in rels:
+        r = penv.tb.node_exec(penv.node, f"sha256sum {shlex.quote(f'{wd}/{rel}')}")
+        assert r.returncode == 0 and sha(to / rel) == r.stdout.split()[0], rel
+    assert (to / "out/empty.bin").stat().st_size == 0
+
+
 OUT_WRITER = """\
 import os, sys
 os.makedirs(os.path.join(sys.argv[1], "sub"), exist_ok=True)
@@ -220,3 +238,35 @@ def test_reports_say_1_file_not_1_files(capsys: pytest.CaptureFixture[str]) -> N
     p = {"ok": True, "n": 3, "files": 1, "bytes": 10, "seconds": 0.5, "pending": 0}
     assert describe(p, "s3://b/") == "pass 3: shipped 1 file (10 B) to s3://b/ in 0.5 s"
     assert describe({**p, "files": 2}, "s3://b/").startswith("pass 3: shipped 2 files (10 B)")
+
+
+def test_a_node_that_loses_dfos_code_between_list_and_send_gets_it_on_the_stream_call(
+        penv: PullEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw stream runs its command itself: a node whose agent folder went away after the list call
+    answers NEED_UPLOAD, and the send is made again with dfo's code carried on its stdin, once."""
+    from orchestrator.config.models import load_inventory
+    from orchestrator.steps import pull as steps_pull
+    from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
+
+    if not penv.tb.isolated:
+        pytest.skip("needs the testbed's network namespaces (the node's /root is its own)")
+    inv, path = load_inventory(penv.inv)
+    conn = open_connection(resolve_host(inv, penv.node.name, path))
+    real_send, calls = steps_pull.send, []
+
+    def send_after_losing_the_code(*a: Any, **kw: Any) -> Any:
+        r = conn.run("rm -rf ~/.cache/dfo/agent && echo gone", timeout=60)  # the node's own home
+        assert r.stdout.strip() == "gone", r.stderr
+        calls.append(1)
+        return real_send(*a, **kw)
+
+    monkeypatch.setattr(steps_pull, "send", send_after_losing_the_code)
+    try:
+        to = tmp_path / "got"
+        rep = steps_pull.pull(conn, run=penv.run, paths=[], to=str(to), loaded=None)
+    finally:
+        conn.close()
+    assert calls == [1]
+    assert rep.fetched >= 2, rep
+    assert sha(to / "out" / "ckpt.bin") == penv.node_sha("out/ckpt.bin")

@@ -36,11 +36,12 @@ pytestmark = pytest.mark.testbed
 AGENTS = "/root/.cache/dfo/agent"
 LIE = "/root/.dfo-lie"  # what the lying module does (read on the node at each call)
 
-# remote/files/pull.py, lying: wraps the honest module (saved beside it as pull_honest.py)
+# remote/files/pull.py, lying: wraps the honest module (saved beside it as pull_honest.py) and writes
+# its lies in the raw stream's own records (remote/files/pull.py, "The raw stream"), with h._Raw
 LYING_PULLFILES = r'''
-import base64, hashlib, os, time
-import remote.files.pull_honest as h
-from remote._proto import emit_event, serve
+import hashlib, os, time
+from . import pull_honest as h  # the honest module, saved beside this one
+from remote._proto import serve
 
 EVIL = b"[core]\n\tfsmonitor = touch /tmp/pwned\n"
 
@@ -61,54 +62,69 @@ def op_list(req):
     return out
 
 
-def send_bytes(i, chunks):
+def send_bytes(raw, i, chunks):
     hs = hashlib.sha256()
     n = 0
     for buf in chunks:
         hs.update(buf)
-        emit_event({"t": "d", "i": i, "b": base64.b64encode(buf).decode("ascii")})
+        raw.record(b"D", i, buf)
+        raw.out.flush()
         n += 1
         with open("/tmp/dfo-lie-sent", "w") as f:
             f.write(str(n))
-    emit_event({"t": "end", "i": i, "sha256": hs.hexdigest()})
+    raw.record(b"E", i, hs.digest())
 
 
 def op_send(req):
     m = mode()
     files = req.get("files") or []
-    if m == "oversize":  # every file: 60 MiB, whatever its listed size
-        for i, _ in enumerate(files):
-            send_bytes(i, (os.urandom(1 << 20) for _ in range(60)))
-        return {"sent": len(files)}
-    if m == "short":  # every file: half of it, with the sha256 of that half
-        for i, f in enumerate(files):
-            with open(os.path.join(req["root"], f["path"]), "rb") as fh:
-                data = fh.read()
-            send_bytes(i, [data[: len(data) // 2]])
-        return {"sent": len(files)}
-    if m == "git":
-        rest = []
-        for i, f in enumerate(files):
-            if ".git" in f["path"].lower().split("/"):
-                send_bytes(i, [EVIL])
-            else:
-                rest.append((i, f))
-        for i, f in rest:  # the honest ones, under their own index
-            with open(os.path.join(req["root"], f["path"]), "rb") as fh:
-                send_bytes(i, [fh.read()])
-        return {"sent": len(files)}
-    if m == "hold-end":  # all the bytes, then the end event only once /tmp/dfo-go exists
-        for i, f in enumerate(files):
-            with open(os.path.join(req["root"], f["path"]), "rb") as fh:
-                data = fh.read()
-            for k in range(0, len(data), 1 << 20):
-                emit_event({"t": "d", "i": i, "b": base64.b64encode(data[k:k + (1 << 20)]).decode("ascii")})
-            deadline = time.time() + 60
-            while not os.path.exists("/tmp/dfo-go") and time.time() < deadline:
-                time.sleep(0.05)
-            emit_event({"t": "end", "i": i, "sha256": hashlib.sha256(data).hexdigest()})
-        return {"sent": len(files)}
-    return h.op_send(req)
+    if m not in ("oversize", "grow", "huge", "short", "git", "hold-end"):
+        return h.op_send(req)
+    raw = h._Raw(req["nonce"])
+    try:
+        if m == "oversize":  # every file: 60 MiB in records of 1 MiB, whatever its listed size
+            for i, _ in enumerate(files):
+                send_bytes(raw, i, (os.urandom(1 << 20) for _ in range(60)))
+        if m == "grow":  # every file: 100 B (within its size), then 59 records of 1 MiB
+            for i, _ in enumerate(files):
+                send_bytes(raw, i, (os.urandom(100 if k == 0 else 1 << 20) for k in range(60)))
+        if m == "huge":  # one record that announces 1 TiB, then 60 MiB of it
+            for i, _ in enumerate(files):
+                raw.out.write(h.HEADER.pack(b"D", i, 1 << 40))
+                for n in range(60):
+                    raw.out.write(os.urandom(1 << 20))
+                    raw.out.flush()
+                    with open("/tmp/dfo-lie-sent", "w") as f:
+                        f.write(str(n + 1))
+        if m == "short":  # every file: half of it, with the sha256 of that half
+            for i, f in enumerate(files):
+                with open(os.path.join(req["root"], f["path"]), "rb") as fh:
+                    data = fh.read()
+                send_bytes(raw, i, [data[: len(data) // 2]])
+        if m == "git":
+            rest = []
+            for i, f in enumerate(files):
+                if ".git" in f["path"].lower().split("/"):
+                    send_bytes(raw, i, [EVIL])
+                else:
+                    rest.append((i, f))
+            for i, f in rest:  # the honest ones, under their own index
+                with open(os.path.join(req["root"], f["path"]), "rb") as fh:
+                    send_bytes(raw, i, [fh.read()])
+        if m == "hold-end":  # all the bytes, then the end record only once /tmp/dfo-go exists
+            for i, f in enumerate(files):
+                with open(os.path.join(req["root"], f["path"]), "rb") as fh:
+                    data = fh.read()
+                for k in range(0, len(data), 1 << 20):
+                    raw.record(b"D", i, data[k:k + (1 << 20)])
+                raw.out.flush()
+                deadline = time.time() + 60
+                while not os.path.exists("/tmp/dfo-go") and time.time() < deadline:
+                    time.sleep(0.05)
+                raw.record(b"E", i, hashlib.sha256(data).digest())
+    finally:
+        raw.end()
+    return {"sent": len(files)}
 
 
 OPS = dict(h.OPS, list=op_list, send=op_send)
@@ -119,7 +135,7 @@ if __name__ == "__main__":
 
 # remote/runs/ops.py, lying: every run it describes carries the id written in /root/.dfo-lie
 LYING_RUNS = r'''
-import remote.runs.ops_honest as h
+from . import ops_honest as h  # the honest module, saved beside this one
 
 _describe = h.describe
 
@@ -372,38 +388,45 @@ def test_a_local_write_error_is_not_a_lost_connection(env: Env, tmp_path: Path) 
 
 
 def test_an_error_in_the_callers_event_handler_is_not_a_lost_connection(env: Env) -> None:
-    """The transport itself: an OSError raised here by the caller's on_event (a local disk error) comes
-    out as itself, never as ConnectionLost (it was: the SSH read loop took every OSError for the link's)."""
-    from orchestrator.agent import run_module
+    """The transport itself: an OSError raised here by the caller's on_data (a local disk error) while the
+    node's raw stream comes in comes out as itself, never as ConnectionLost (it was: the SSH read loop took
+    every OSError for the link's)."""
+    from orchestrator.agent import module_command, run_module
     from orchestrator.hosts import HostSession
 
     node = env.tb.nodes[0]
     wd = env.fake_run(node, run_id(), {"f.bin": 3 << 20})
+    seen: list[int] = []
 
-    def full(ev: dict[str, Any]) -> None:
+    def full(data: bytes) -> None:
+        seen.append(len(data))
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with HostSession(env.inv, [node.name]) as s:
         conn = s.conn(node.name)
         listed = run_module(conn, "remote.files.pull", {"op": "list", "root": wd, "paths": []}, timeout=60)
         size, mtime_ns = listed["files"]["f.bin"]
+        req = {"op": "send", "root": wd, "nonce": "ab" * 16,
+               "files": [{"path": "f.bin", "size": size, "mtime_ns": mtime_ns, "offset": 0}]}
         with pytest.raises(OSError) as got:
-            run_module(conn, "remote.files.pull", {"op": "send", "root": wd, "files": [
-                {"path": "f.bin", "size": size, "mtime_ns": mtime_ns, "offset": 0}]}, timeout=60, on_event=full)
-    assert got.value.errno == errno.ENOSPC
+            conn.run_stream(module_command("remote.files.pull", conn.host.python), stdin=json.dumps(req),
+                            on_data=full, timeout=60)
+    assert got.value.errno == errno.ENOSPC and seen
 
 
 # --------------------------------------------------------------------------- 3: sizes
 
 
-def test_pull_stops_when_a_file_passes_its_listed_size(env: Env, tmp_path: Path) -> None:
-    """A node that lists 114 B and sends 60 MiB: stopped at the first chunk past 114 B, exit 3 naming
-    the host and the file, no partial file kept."""
+@pytest.mark.parametrize("attack", ["oversize", "grow", "huge"])
+def test_pull_stops_when_a_file_passes_its_listed_size(env: Env, tmp_path: Path, attack: str) -> None:
+    """A node that lists 114 B and sends 60 MiB (records of 1 MiB; or 100 B first, within the size, then
+    1 MiB records; or one record that announces 1 TiB): stopped at the first record header that would
+    pass 114 B, before its bytes are read, exit 3 naming the host and the file, no partial file kept."""
     node = env.tb.nodes[0]
     run = run_id()
     env.fake_run(node, run, {"small.txt": b"x" * 114})
     to = tmp_path / "got"
-    with env.lie(node, "pullfiles", "oversize"):
+    with env.lie(node, "pullfiles", attack):
         got = env.pull("-H", node.name, run, "--to", str(to), expect=3)[node.name]
         sent = int(env.sh(node, "cat /tmp/dfo-lie-sent 2>/dev/null || echo 0").strip() or 0)
     err = got["error"]

@@ -49,10 +49,11 @@ def test_no_frame_is_a_typed_no_result() -> None:
 
 
 def test_a_failed_upload_is_agent_missing() -> None:
-    conn = FakeConn(_res(code=agent.NEED_UPLOAD), _res(stderr="tar: not found", code=127))
+    err = {"kind": "agent", "message": "could not install dfo's node code (core) in D: No space left on device"}
+    conn = FakeConn(_res(code=agent.NEED_UPLOAD), _res(_frame({"ok": False, "error": err})))
     with pytest.raises(AgentMissing) as ei:
         agent.run_module(conn, "remote.x")  # type: ignore[arg-type]
-    assert "tar: not found" in ei.value.message
+    assert "No space left on device" in ei.value.message
 
 
 def test_the_nodes_error_document_is_a_declared_field() -> None:

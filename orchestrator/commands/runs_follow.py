@@ -47,6 +47,34 @@ class _View:
         return dfo_cmd(self.ctx, "tail", host, *([the_run] if the_run else []), job_path=self.job_path)
 
 
+def _across_restarts(sess: HostSession, view: _View, followed: fleet.Followed, loaded: LoadedJob) -> fleet.Followed:
+    """A job with run.spares/run.restarts: when the run followed ends and its watcher starts a newer
+    generation (orchestrator/steps/recovery.py), follow that one, on its hosts, with a line at each restart."""
+    from ..hosts import HostSession as Session
+    from ..steps.recovery import next_generation
+
+    while True:
+        runs_seen = [r for r in followed.current.values() if r]
+        if not runs_seen:
+            return followed
+        ended_ok = all(o.error is None and o.value is not None and o.value.state == "succeeded"
+                       for o in followed.outcomes)
+        doc = next_generation(loaded, runs_seen[0], ended_ok)
+        if doc is None:
+            return followed
+        last = (doc.get("restarts") or [{}])[-1]
+        who = f"{last.get('lost_host')} lost, {last.get('spare')} in its place" if last.get("lost_host") else \
+            str(last.get("detail") or last.get("why") or "")
+        hosts = [h for h in doc.get("hosts") or [] if h in sess.inventory.hosts]
+        err_console.print(safe(f"dfo: --- restart: generation {doc.get('generation')} ({who}): following run "
+                               f"{doc.get('run')} on {', '.join(hosts)} ---"), highlight=False, soft_wrap=True)
+        if not hosts:
+            return followed
+        with Session.from_inventory(sess.inventory, sess.inventory_path, hosts) as nsess:
+            followed = fleet.follow_all(nsess, view, run=str(doc.get("run")), no_follow=False, start="+1",
+                                        loaded=loaded, keep=RECAP_LINES)
+
+
 def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_follow: bool, start: int | str,
                  loaded: LoadedJob | None, job_path: str | None, quiet: bool = False
                  ) -> tuple[int, list[Outcome[steps.RunInfo]], dict[str, list[str]]]:
@@ -76,6 +104,8 @@ def follow_hosts(ctx: click.Context, sess: HostSession, *, run: str | None, no_f
     try:
         followed = fleet.follow_all(sess, view, run=run, no_follow=no_follow, start=start, loaded=loaded,
                                     keep=RECAP_LINES)
+        if not no_follow and loaded is not None and loaded.job.run is not None and loaded.job.run.recovers:
+            followed = _across_restarts(sess, view, followed, loaded)
     except KeyboardInterrupt:
         detached()
         return 130, [], {}

@@ -112,6 +112,14 @@ def exit_text(info: steps.RunInfo) -> str:
     return info.signal or ("-" if info.exit_code is None else str(info.exit_code))
 
 
+def _story(g: dict[str, object] | None) -> str | None:
+    if not g:
+        return None
+    from ..steps.generation import story  # S3's client: only for a run that recovers
+
+    return story(g)
+
+
 def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], detail: bool,
                   job_path: str | None) -> None:
     from rich.table import Table  # rich once there is a table to print (after the node answered)
@@ -142,6 +150,9 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
             t.add_row("metrics", safe(sampled))
         if r.cost is not None:
             t.add_row("cost", f"{r.cost:.2f}")
+        recovered = _story(r.generation)
+        if recovered:
+            t.add_row("recovery", safe(recovered))
         console.print(t)
         lines = r.tail or ([r.last_line] if r.last_line else [])
         if lines:
@@ -165,6 +176,9 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
         if sampled:  # the sampler's last row: one line per running run (docs/metrics.md)
             cost = f" | cost {r.cost:.2f}" if r.cost is not None else ""
             console.print(f"  {safe(r.id)}: {safe(sampled)}{cost}", highlight=False, soft_wrap=True)
+        recovered = _story(r.generation)
+        if recovered:
+            console.print(f"  {safe(r.id)}: {safe(recovered)}", highlight=False, soft_wrap=True)
     for r in runs:
         ds = r.diagnoses()
         if ds:

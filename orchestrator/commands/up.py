@@ -98,9 +98,13 @@ class _UpView:
 @hosts_option
 @job_option()
 @click.option("--no-tail", is_flag=True, help="Stop after launch instead of following the log to the end.")
+@click.option("--watch", "watch_run", is_flag=True,
+              help="After launch (or finding the live run), watch the run and recover it onto run.spares "
+                   "(dfo watch; the log is not followed).")
 @json_option
 @click.pass_context
-def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: bool, as_json: bool = False) -> int:
+def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: bool, as_json: bool = False,
+           watch_run: bool = False) -> int:
     """The whole job: provision, stage-model, sync-data, launch, tail.
 
     The whole job is checked here first (hosts, package specs, model:/data: and their S3
@@ -134,13 +138,24 @@ def up_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, no_tail: b
     from ..steps.outputs import check as check_outputs
 
     check_outputs(loaded)  # S3 credentials for outputs.dest (exit 2 before any step)
+    if watch_run and (loaded.job.run is None or not loaded.job.run.recovers):
+        from ..errors import UsageError
+
+        raise UsageError(f"{loaded.path}: up --watch needs run.spares or run.restarts in the job",
+                         hint="add run: {spares: [HOST], restarts: {max: 3}} (docs/recovery.md)")
     if loaded.job.run is not None and is_gang(loaded.job):  # -H names exactly run.nodes hosts (exit 2, no host touched)
         check_hosts(loaded.job.run, [sess.hosts[n] for n in sess.names], loaded.job.name)
     report = UpReport(hosts={n: UpHost() for n in sess.names})
     t0 = time.monotonic()
     with sess:
-        code = fleet.up_chain(sess, loaded, requests, _UpView(ctx, loaded, job_path, as_json), no_tail=no_tail,
-                              report=report)
+        code = fleet.up_chain(sess, loaded, requests, _UpView(ctx, loaded, job_path, as_json),
+                              no_tail=no_tail or watch_run, report=report)
+    if watch_run and code == 0:
+        from .watch import watch
+
+        err_console.print("[bold cyan]==> watch[/] [dim]Ctrl-C stops watching; the run goes on[/]", highlight=False)
+        code = watch(ctx, hosts, job_path, None)
+        report.exit_code = code
     if code is None:  # the run was followed to its end
         code = report.exit_code
         err_console.print(f"up: finished in {time.monotonic() - t0:.0f}s (exit {code})", highlight=False)

@@ -222,6 +222,28 @@ class OutputsConfig(Strict):
     cpu: float = Field(default=2.0, gt=0)  # the shipper's CPU budget, in cores
 
 
+class RestartsConfig(Strict):
+    """run.restarts: when the watcher (dfo watch, up --watch) relaunches a run (docs/recovery.md)."""
+
+    max: int = Field(default=3, ge=0, le=1000)  # per run; then the run fails for good
+    # lost: a node gone (unreachable for lost_after s, or its gang watch says so); signal: the trainer killed
+    # by a signal (OOM killer, NCCL abort); an exit code (e.g. 134) restarts on that code too
+    on: list[str | int] = ["lost", "signal"]
+    backoff: float = Field(default=30.0, ge=0)  # seconds before a restart, doubled each time
+    lost_after: float = Field(default=60.0, gt=0)  # seconds a node may be unreachable before it counts as lost
+
+    @field_validator("on")
+    @classmethod
+    def _codes(cls, v: list[str | int]) -> list[str | int]:
+        for item in v:
+            if item == 0:
+                raise ValueError("exit code 0 is a success, never a reason to restart")
+            if isinstance(item, bool) or (isinstance(item, str) and item not in ("lost", "signal")) or (
+                    isinstance(item, int) and not 1 <= item <= 255):
+                raise ValueError(f"{item!r}: each entry is 'lost', 'signal' or an exit code from 1 to 255")
+        return v
+
+
 class RunConfig(Strict):
     workdir: NodePath = "~"  # the node user's home (/root for root)
     upload: list[str] = []
@@ -277,6 +299,35 @@ class RunConfig(Strict):
                 raise jobrules.fail(f"{name}: {pat!r} has {groups} groups; it needs exactly one, around the number")
         return v
 
+    # recovery (issue 20): hosts (or group names) that may replace a lost node; restarts: when
+    spares: list[str] = []
+    restarts: RestartsConfig | None = None
+
+    @field_validator("spares", mode="before")
+    @classmethod
+    def _spares_list(cls, v: object) -> object:
+        """`spares: gpu-pool` (one group or host name) means [gpu-pool]."""
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("spares")
+    @classmethod
+    def _spare_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _NAME.match(name):
+                raise ValueError(f"spare {name!r} must be a host or group name of the inventory")
+        if len(set(v)) != len(v):
+            raise ValueError("a spare is named twice")
+        return v
+
+    @property
+    def recovers(self) -> bool:
+        """The job asks for recovery: spares or restarts given."""
+        return bool(self.spares) or self.restarts is not None
+
+    @property
+    def restart_policy(self) -> RestartsConfig:
+        return self.restarts or RestartsConfig()
+
 
 class NotifyConfig(Strict):
     """notify: where the node's supervisor posts alerts (docs/metrics.md). ``webhook`` is a secret: write
@@ -329,6 +380,12 @@ class Job(Strict):
                 jobrules.command_placeholders(v.command, present)
             except PydanticCustomError as exc:
                 raise jobrules.fail(f"run.command {exc.message()}") from None
+            if v.recovers and not (info.data.get("outputs") and info.data["outputs"].dest):
+                raise jobrules.fail("run.spares/run.restarts need outputs.dest: a restart resumes from the last "
+                                    "checkpoint shipped there (add outputs: {dest: s3://BUCKET/PREFIX/})")
+            if v.recovers and "{run_id}" in info.data["outputs"].dest:
+                raise jobrules.fail("run.spares/run.restarts: outputs.dest holds {run_id}, so a restarted run "
+                                    "would not find what the lost one shipped: take {run_id} out of outputs.dest")
         return v
 
     @property

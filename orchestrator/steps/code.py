@@ -10,7 +10,8 @@
    ``want`` and that every file is still as dfo left it (stat only). Nothing changed: nothing
    sent, the check alone, ``no change``.
 3. Otherwise (first push from here, or the node is not as this machine left it): the node's
-   manifest (op ``state``, asked while the files here are listed), then ``sync`` with the
+   manifest (op ``state``, asked while the files here are listed, hashed, and read ahead:
+   ``Prefetch``, for a tree up to PREFETCH_MAX bytes), then ``sync`` with the
    difference. A ``sync`` that does not match answers with the manifest, and the rest follows in
    one more ``sync``. No round trip per file; what is known here is only a guess of what to send,
    never a reason to skip the node's check.
@@ -100,6 +101,7 @@ class Local:
         self.in_git = False
         self.digest = ""
         self._hashed = False
+        self._view_lock = threading.Lock()  # view() is called from the prefetch thread too
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="code-local", daemon=True)
         self._thread.start()
@@ -119,10 +121,11 @@ class Local:
 
     def view(self) -> dict[str, dict[str, object]]:
         """path -> {sha256, mode, link}, hashing (from the per-file cache) on first use."""
-        if not self._hashed:
-            fill_hashes(self.source, self.files)
-            self._hashed = True
-            self.digest = digest_of(manifest_view(self.files))
+        with self._view_lock:
+            if not self._hashed:
+                fill_hashes(self.source, self.files)
+                self._hashed = True
+                self.digest = digest_of(manifest_view(self.files))
         return manifest_view(self.files)
 
     def result(self) -> Local:
@@ -137,11 +140,11 @@ def start_local(loaded: LoadedJob) -> Local:
     return Local(loaded)
 
 
-def _call(conn: Transport, header: dict[str, Any], payload: bytes = b"", timeout: float = 120) -> Any:
+def _call(conn: Transport, header: dict[str, Any], payload: list[bytes] | None = None, timeout: float = 120) -> Any:
     from ..agent import NODE, run_module
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
-    return run_module(conn, NODE.push, header, payload=payload, timeout=timeout, flags="-S")
+    return run_module(conn, NODE.push, header, payload=payload or [], timeout=timeout, flags="-S")
 
 
 def _stderr(host: str) -> Callable[[str], None]:
@@ -157,32 +160,97 @@ def node_key(conn: Transport, dest: str) -> str:
     return f"{h.user}@{h.hostname}:{h.port}\0{conn.name}\0{dest}"
 
 
-def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], bytes]:
-    """The entries and the bytes of the files to send, each read without following a symlink on its
-    path (codetree.Reader: a folder swapped for a link since the listing is refused, never read)."""
-    entries, chunks = [], []
-    reader: Reader | None = None
-    try:
+def _entry(local: Local, reader: Reader, rel: str) -> tuple[dict[str, Any], bytes]:
+    """One file's entry and bytes, read without following a symlink on its path (codetree.Reader: a
+    folder swapped for a link since the listing is refused, never read). A file whose (size,
+    mtime_ns, inode) after reading is still the listing's keeps the listing's sha256 (what the hash
+    cache trusts); any other is hashed as read: what travels is what is checked, and the node checks
+    every file's sha256 on arrival."""
+    f = local.files[rel]
+    if f.link is not None:
+        return {"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0}, b""
+    data, key = reader.read_keyed(f.via or rel)
+    sha = f.sha256 if f.sha256 and key == f.key else hashlib.sha256(data).hexdigest()
+    return {"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None}, data
+
+
+def _stream(local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The entries and the bytes of the files to send (``_entry``), in order."""
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    if not to_send:
+        return entries, chunks
+    with Reader(local.source) as reader:
         for rel in to_send:
-            f = local.files[rel]
-            if f.link is not None:
-                entries.append({"path": rel, "link": f.link, "sha256": f.sha256, "mode": None, "size": 0})
-                continue
-            reader = reader or Reader(local.source)
-            data = reader.read_bytes(f.via or rel)
-            sha = hashlib.sha256(data).hexdigest()  # what travels is what is checked (a file may change meanwhile)
-            entries.append({"path": rel, "sha256": sha, "mode": f.mode, "size": len(data), "link": None})
-            chunks.append(data)
-    finally:
-        if reader is not None:
-            reader.close()
-    return entries, b"".join(chunks)
+            entry, data = _entry(local, reader, rel)
+            entries.append(entry)
+            if entry["link"] is None:
+                chunks.append(data)
+    return entries, chunks
 
 
 def _diff(view: dict[str, dict[str, object]], node: dict[str, Any], dirty: set[str]) -> tuple[list[str], list[str]]:
     to_send = sorted(rel for rel, e in view.items()
                      if rel in dirty or node.get(rel) != [e["sha256"], e["mode"], e["link"]])
     return to_send, sorted(rel for rel in node if rel not in view)
+
+
+PREFETCH_MAX = 256 * 1000 * 1000  # bytes: a tree up to this is read ahead while the node's manifest is asked
+
+
+class Prefetch:
+    """Every file of the code read (and its entry made) in a thread while the node's manifest is asked:
+    a push to a node this machine never pushed to usually sends them all. ``take`` gives the entries
+    and bytes of the files to send, read again here for any the thread did not read; ``cancel`` stops
+    it (the node had them)."""
+
+    def __init__(self, local: Local) -> None:
+        self.rows: dict[str, tuple[dict[str, Any], bytes]] = {}
+        self._stop = False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(local,), name="code-prefetch", daemon=True).start()
+
+    def _run(self, local: Local) -> None:
+        try:
+            local.result()
+            if sum(f.size for f in local.files.values()) > PREFETCH_MAX:
+                return
+            local.view()
+            with Reader(local.source) as reader:
+                for rel in sorted(local.files):
+                    if self._stop:
+                        return
+                    self.rows[rel] = _entry(local, reader, rel)
+        except BaseException:  # noqa: BLE001 - the same read in take() raises it, in the caller's thread
+            pass
+        finally:
+            self._done.set()
+
+    def cancel(self) -> None:
+        self._stop = True
+
+    def take(self, local: Local, to_send: list[str]) -> tuple[list[dict[str, Any]], list[bytes]]:
+        if len(to_send) * 2 < len(local.files):  # the node holds most of them: read only what it lacks
+            self.cancel()
+        while not self._done.wait(0.25):  # in slices: Ctrl-C reaches the main thread at once
+            pass
+        entries: list[dict[str, Any]] = []
+        chunks: list[bytes] = []
+        reader: Reader | None = None
+        try:
+            for rel in to_send:
+                row = self.rows.get(rel)
+                if row is None:
+                    reader = reader or Reader(local.source)
+                    row = _entry(local, reader, rel)
+                entries.append(row[0])
+                if row[0]["link"] is None:
+                    chunks.append(row[1])
+        finally:
+            if reader is not None:
+                reader.close()
+        self.rows = {}
+        return entries, chunks
 
 
 def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | None = None,
@@ -203,8 +271,14 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
            "host": conn.name}
     known = Pushed(node_key(conn, dest))
     state: dict[str, Any] | None = None
+    ahead: Prefetch | None = None
     if known.digest is None:  # nothing known of the node: its manifest, asked while the files here are listed
-        state = _call(conn, {"op": "state", **who})
+        ahead = Prefetch(local)  # ...and read: a node never pushed to from here most often gets them all
+        try:
+            state = _call(conn, {"op": "state", **who})
+        except BaseException:
+            ahead.cancel()
+            raise
     local.result()
     files = local.files
     base: dict[str, Any] | None = None
@@ -245,10 +319,14 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
         real = state["dest"]
         dirty = set(state.get("dirty") or [])
         if not dirty and files and state.get("digest") == local.digest:
+            if ahead is not None:
+                ahead.cancel()
             remember()
             return report("no change")
         to_send, to_delete = _diff(local.view(), state.get("files") or {}, dirty)
         if not to_send and not to_delete:
+            if ahead is not None:
+                ahead.cancel()
             return report("no change")
     elif base is not None:
         to_send, to_delete = _diff(local.view(), base, set())
@@ -260,7 +338,7 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
             warn("warning: " + n)
         notes += new
         warned.update(to_send)
-        entries, payload = _stream(local, to_send)
+        entries, payload = ahead.take(local, to_send) if ahead is not None and not attempt else _stream(local, to_send)
         done = _call(conn, {"op": "sync", **who, "want": local.digest, "files": entries, "delete": to_delete,
                             "takeover": takeover}, payload, timeout=PUSH_TIMEOUT_S)
         real = done["dest"]

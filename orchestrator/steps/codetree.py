@@ -279,6 +279,13 @@ class Reader:
         with os.fdopen(self.open(rel), "rb") as f:
             return f.read()
 
+    def read_keyed(self, rel: str) -> tuple[bytes, tuple[int, int, int]]:
+        """The file's bytes and its (size, mtime_ns, inode) as they stand once read (the hash cache's key)."""
+        with os.fdopen(self.open(rel), "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())
+        return data, (st.st_size, st.st_mtime_ns, st.st_ino)
+
     def sha256(self, rel: str) -> str:
         h = hashlib.sha256()
         with os.fdopen(self.open(rel), "rb", buffering=0) as f:

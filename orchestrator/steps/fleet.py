@@ -85,9 +85,17 @@ def prepare_gang(sess: HostSession, loaded: LoadedJob, gang: dict[str, Any]) -> 
     (and return it); None for a job that is no gang."""
     from .gang import prepare
 
+    run = loaded.job.run
     if not is_gang(loaded.job):
+        if run is not None and run.recovers and len(sess.names) > 1:
+            raise UsageError(f"job {loaded.job.name}: run.spares/run.restarts: one run per job, and -H names "
+                             f"{len(sess.names)} hosts", hint="name one host, or make it a gang (run.nodes)")
         return None
     plan = gang["plan"] = prepare(sess, loaded.job, runs.new_run_id(loaded.job.name))
+    if run is not None and run.recovers:  # the gang's generation, once for all its nodes (steps/generation.py)
+        from .generation import begin
+
+        plan.generation = begin(loaded, plan.run_id, [n.host for n in plan.nodes])
     return plan
 
 

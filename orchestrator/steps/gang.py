@@ -48,6 +48,7 @@ class GangPlan:
     rdzv_port: int
     watch_port: int
     secret: str = field(repr=False)  # the gang watch's shared secret (hex): stdin only, never argv/logs
+    generation: dict[str, Any] | None = None  # a recovering job's generation (steps/generation.py), set once
 
     @property
     def master(self) -> NodePlan:

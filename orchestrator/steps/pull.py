@@ -15,9 +15,11 @@ checked before anything is written here (docs/security.md).
    recorded in DIR/.dfo/pull-manifest.json, and the local copy unchanged since) are skipped. A file
    here that the manifest does not list, or that changed since dfo wrote it, is kept (not replaced)
    unless ``overwrite``.
-4. One more command sends the rest as a stream of events; each file goes to DIR/.dfo/partial/
-   first (never past its listed size), is read back from disk and checked against its listed size
-   and the sha256 the node computed of the whole file as it read it, then renamed into place. An
+4. One more command sends the rest as a raw stream (steps.pullwire: the file bytes as they are,
+   in length-prefixed records); each file goes to DIR/.dfo/partial/ first (never past its listed
+   size: a record that would pass it is refused before its bytes are read), is read back from
+   disk and checked against its listed size and the sha256 the node computed of the whole file as
+   it read it, then renamed into place. An
    interrupted pull keeps its partial files: the next one asks only for the bytes after them (when
    the node's file is unchanged) and checks the whole file again on arrival.
 """
@@ -35,6 +37,7 @@ from ..config.models import LoadedJob
 from ..errors import ConfigError, VerifyError
 from ..transport.base import Transport
 from .pullsink import InTheWay, PullDir, Sink, is_git, local_error
+from .pullwire import send
 from .report import MoveReport
 from .runs import status
 from .workspace import job_workspace
@@ -177,15 +180,14 @@ def pull(conn: Transport, *, run: str | None, paths: list[str], to: str | None, 
                 on_event({"type": "plan", "to_fetch": len(wanted),
                           "bytes_to_fetch": sum(w["size"] - w["offset"] for w in wanted)})
 
-            def ev(e: dict[str, Any]) -> None:
-                sink.on_event(e)
-                if on_event is not None and e.get("t") == "d":
+            def progress() -> None:
+                if on_event is not None:
                     on_event({"type": "progress", "bytes": sink.bytes, "files": sink.done, "files_total": len(wanted)})
 
             try:
-                run_module(conn, NODE.pull, {"op": "send", "root": source,
-                                           "files": [{k: w[k] for k in ("path", "size", "mtime_ns", "offset")}
-                                                    for w in wanted]}, timeout=PULL_TIMEOUT_S, on_event=ev)
+                send(conn, None, {"root": source, "files": [{k: w[k] for k in ("path", "size", "mtime_ns", "offset")}
+                                                            for w in wanted]},
+                     sink, timeout=PULL_TIMEOUT_S, on_progress=progress)
             finally:
                 sink.close()
                 save()

@@ -4,18 +4,17 @@
   following symlinks (``O_NOFOLLOW`` from DIR's own descriptor), so a symlinked folder planted in
   DIR is never written through. DIR/.dfo/ holds the lock (one pull at a time per DIR, flock, not
   waited for), the pull manifest and partial/.
-* ``Sink``: the node's stream of events into partial files. A file whose bytes pass its listed
-  size stops the transfer at once; at its end the partial file is fsync'ed, then READ BACK from
-  disk: its size must be the listed size and its sha256 the node's, before it is renamed into
-  place, and only over a file this pull may replace (see ``PullDir.may_replace``).
+* ``Sink``: the node's stream (its records, read by steps.pullwire) into partial files. A file whose
+  bytes would pass its listed size stops the transfer at once, before they are read; at its end
+  the partial file is fsync'ed, then READ BACK from disk: its size must be the listed size and its
+  sha256 the node's, before it is renamed into place, and only over a file this pull may replace
+  (see ``PullDir.may_replace``).
 * An OSError here (disk full, permission, a file size limit) is a ``LocalError`` naming the path
   (exit 3), never taken for the connection's failure.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import errno
 import fcntl
 import hashlib
@@ -33,6 +32,7 @@ from remote.lib.fsutil import FILE_FLAGS, write_atomic
 from ..errors import VerifyError
 
 MANIFEST = "pull-manifest.json"
+READ_BACK = 4 << 20  # the read-back's buffer
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -272,19 +272,44 @@ class Sink:
             os.close(self.fd)
         self.fd, self.cur = -1, None
 
-    def on_event(self, ev: dict[str, Any]) -> None:
-        t, i = ev.get("t"), ev.get("i")
-        if t not in ("d", "end", "changed"):
-            return
+    def _check(self, t: object, i: object) -> str:
+        """The path of file ``i``, if the node may send a record of it now (asked for, in order, not ended)."""
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.wanted):
-            raise VerifyError(f"pull: the node sent an event for a file it was not asked for ({i!r})", host=self.host,
-                              hint="the node's dfo code is not dfo's: check the node")
-        rel = self.wanted[i]["path"]
+            self.abort()
+            raise VerifyError(f"pull: the node sent a record for a file it was not asked for ({i!r})",
+                              host=self.host, hint="the node's dfo code is not dfo's: check the node")
+        rel: str = self.wanted[i]["path"]
         if self.state.get(i, "open") != "open" or i < self.last:
             self.abort()
             raise VerifyError(f"pull: the node sent {rel!r} again, after its end; the transfer was stopped",
                               host=self.host, hint="the node's dfo code is not dfo's: check the node")
         self.last = i
+        return rel
+
+    def announce(self, i: int, n: int) -> None:
+        """The node is about to send ``n`` bytes of file ``i``: refused (the transfer stopped, nothing of
+        the file kept) before they are read when they would pass the file's listed size."""
+        rel = self._check("d", i)
+        try:
+            self._switch(i)
+        except OSError as exc:
+            self.close()
+            raise local_error(exc, self._where(rel), self.host) from None
+        f = self.wanted[i]
+        if f["offset"] + self.got + n > f["size"]:
+            self.abort()
+            raise VerifyError(f"pull: the node sent more than the {f['size']} B it listed for {f['path']!r}; "
+                              "the transfer was stopped and nothing of that file kept", host=self.host,
+                              hint="the node's file grew while it was sent, or the node is not to be trusted")
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        """One record of the node's stream (steps.pullwire): ``{"t": "d", "i": N, "b": bytes}`` (file
+        bytes, announced first), ``{"t": "end", "i": N, "sha256": hex}`` or ``{"t": "changed", "i": N}``."""
+        t, i = ev.get("t"), ev.get("i")
+        if t not in ("d", "end", "changed"):
+            return
+        rel = self._check(t, i)
+        assert isinstance(i, int)
         try:
             if t == "d":
                 self._data(i, ev)
@@ -312,21 +337,21 @@ class Sink:
     def _data(self, i: int, ev: dict[str, Any]) -> None:
         f = self.wanted[i]
         self._switch(i)
-        try:
-            data = base64.b64decode(ev.get("b") or "", validate=True)
-        except (binascii.Error, ValueError, TypeError):
+        data = ev.get("b")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
             self.abort()
-            raise VerifyError(f"pull: the node sent malformed data for {f['path']!r}", host=self.host) from None
-        if f["offset"] + self.got + len(data) > f["size"]:
+            raise VerifyError(f"pull: the node sent malformed data for {f['path']!r}", host=self.host)
+        view = memoryview(data)
+        n = len(view)
+        if f["offset"] + self.got + n > f["size"]:
             self.abort()
             raise VerifyError(f"pull: the node sent more than the {f['size']} B it listed for {f['path']!r}; "
                               "the transfer was stopped and nothing of that file kept", host=self.host,
                               hint="the node's file grew while it was sent, or the node is not to be trusted")
-        view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]
-        self.got += len(data)
-        self.bytes += len(data)
+        self.got += n
+        self.bytes += n
 
     def _end(self, i: int, ev: dict[str, Any]) -> None:
         f = self.wanted[i]
@@ -373,14 +398,15 @@ class Sink:
     def _read_back(self, rel: str) -> tuple[int, str]:
         h = hashlib.sha256()
         n = 0
+        buf = memoryview(bytearray(READ_BACK))  # one buffer for the whole file: no allocation per read
         fd = os.open(self.part(rel), os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
         try:
             while True:
-                buf = os.read(fd, 8 << 20)
-                if not buf:
+                got = os.readv(fd, [buf])
+                if not got:
                     return n, h.hexdigest()
-                h.update(buf)
-                n += len(buf)
+                h.update(buf[:got])
+                n += got
         finally:
             os.close(fd)
 

@@ -75,6 +75,7 @@ class RunInfo(BaseModel):
     gang: dict[str, Any] | None = None  # a node of a gang: rank, hosts, hub, port, run, watch (its gang.json)
     metrics: dict[str, Any] | None = None  # the sampler's last rows: {"sys": ..., "train": ...} (docs/metrics.md)
     cost: float | None = None  # status: the cost so far (hosts.NAME.price_per_hour), set by the command
+    generation: dict[str, Any] | None = None  # a run that recovers: lineage, generation, restarts (issue 20)
 
     def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
         if self.state not in ("failed", "lost"):
@@ -86,7 +87,7 @@ class RunInfo(BaseModel):
         return RunBrief(id=self.id, job=self.job, state=self.state, exit_code=self.exit_code, started=self.started,
                         ended=self.ended, signal=self.signal, pid=self.pid, last_line=self.last_line,
                         autotune_guard=self.autotune_guard, diagnosis=[d.to_json() for d in self.diagnoses()],
-                        outputs=self.outputs, metrics=self.metrics, cost=self.cost)
+                        outputs=self.outputs, metrics=self.metrics, cost=self.cost, generation=self.generation)
 
     def outputs_failed(self) -> bool:
         """The run ended and the last pass of its outputs failed (tail and up exit 3 when it succeeded)."""
@@ -115,6 +116,9 @@ class RunBrief(BaseModel):
     outputs: dict[str, Any] | None = None  # the shipper's record (state, shipped, last_pass, lag_s, errors)
     metrics: dict[str, Any] | None = None  # the sampler's last sys and train rows
     cost: float | None = None  # the cost so far, with hosts.NAME.price_per_hour
+    # a run that recovers (issue 20): {"lineage", "generation", "restarts": [{at, why, lost_host, spare,
+    # resumed_step, generation}], "record"}; null for a run of a job without run.spares/run.restarts
+    generation: dict[str, Any] | None = None
 
 
 class StatusReport(BaseModel):
@@ -251,11 +255,14 @@ def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
 
 def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: str | None = None,
            note: Callable[[str], None] | None = None,
-           on_event: Callable[[dict[str, Any]], None] | None = None, gang: Any = None) -> RunInfo:
+           on_event: Callable[[dict[str, Any]], None] | None = None, gang: Any = None,
+           generation: dict[str, Any] | None = None) -> RunInfo:
     """Start the job's run detached on the node; returns once the trainer has a pid. First the code
     (code:) and the outputs restore (outputs.restore), unless the job has a live run there.
     ``gang``: the GangPlan (orchestrator.steps.gang) when this node is one of a gang: its run id,
-    its command and env, and the gang watch's entry (secret on stdin only)."""
+    its command and env, and the gang watch's entry (secret on stdin only). ``generation``: a recovering
+    job's generation (orchestrator.steps.generation); without it such a job starts a new lineage here
+    (one host), or takes the gang plan's."""
     job = loaded.job
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
@@ -305,6 +312,17 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
     from .metrics_spec import launch_fields as metrics_fields
 
     req.update(metrics_fields(loaded))  # the sampler's spec; notify's webhook (stdin only)
+    if generation is None and gang is not None:
+        generation = getattr(gang, "generation", None)
+    if generation is None and run.recovers and gang is None and (
+            force or all(r.state != "running" for r in status(conn, workspace, job=job.name))):
+        from .generation import begin  # (a live run of the job here: the node refuses; its generation stays)
+
+        generation = begin(loaded, rid, [conn.host.name])  # a fresh launch: generation N+1 of a new lineage
+    if generation is not None:
+        req["generation"] = generation
+        if isinstance(req.get("outputs"), dict):  # the shipper checks it before every upload
+            req["outputs"] = dict(req["outputs"], generation=generation["generation"])
     data = run_module(conn, NODE.runs, req, timeout=120)
     if "need" in data:  # some files differ on the node: send their content (only theirs)
         need = set(data["need"])

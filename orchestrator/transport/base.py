@@ -2,7 +2,7 @@
 
 Three transports: ``openssh.OpenSSH`` (the OpenSSH client, ``ssh``), ``ssh.Connection`` (SSH through
 fabric and paramiko) and ``local.LocalConnection`` (bash on this machine, for running dfo on the GPU box
-itself). Callers use only what is here: ``run``, ``close``, ``reconnect``, ``name`` and ``host``;
+itself). Callers use only what is here: ``run``, ``run_stream``, ``close``, ``reconnect``, ``name`` and ``host``;
 ``orchestrator.transport.open_connection`` picks the transport the inventory names (``transport: ssh``:
 OpenSSH when a usable client is on PATH, see ``resolve.ssh_transport``). This module imports neither
 paramiko nor fabric.
@@ -23,6 +23,7 @@ from ..errors import VerifyError
 if TYPE_CHECKING:
     from ..config.models import ResolvedHost
 
+STREAM_PIECE = 1 << 20  # run_stream: the most stdout handed to on_data at once
 STDERR_KEEP = 64 << 10  # a command's stderr: only its last 64 KiB are kept (error messages need the end)
 
 
@@ -55,6 +56,15 @@ class Transport(ABC):
         the inventory's command_timeout). ``stdin`` is sent and closed. With ``on_line`` each stdout
         line goes to it as it arrives and only the line it returns True for, the result frame, is kept
         (one: a second is a VerifyError naming the host); stdout is bounded either way (_Collector)."""
+
+    @abstractmethod
+    def run_stream(self, command: str, *, on_data: Callable[[bytes], object], timeout: float | None = None,
+                   stdin: bytes | str | None = None) -> Result:
+        """``run`` for a command whose stdout is binary (dfo pull's file bytes): each piece of stdout goes
+        to ``on_data`` as it arrives (at most STREAM_PIECE bytes, in order) and none of it is kept
+        (``Result.stdout`` is empty; stderr is kept as by ``run``). What ``run`` promises holds here too:
+        the timeout, liveness, close() ending the call (ConnectionLost). What ``on_data`` raises ends
+        the command and is raised as it is, never taken for a lost connection."""
 
     @abstractmethod
     def close(self) -> None:
@@ -194,6 +204,29 @@ class _Collector:
         if self.on_line is None:
             return self.buf.decode("utf-8", "replace")
         return (bytes(self.buf) + b"".join(k + b"\n" for k in self.kept)).decode("utf-8", "replace")
+
+
+class _Stream:
+    """run_stream's stdout: every piece to ``on_data`` as it arrives, nothing kept (the _Collector's
+    interface: feed, flush, text, raised)."""
+
+    def __init__(self, on_data: Callable[[bytes], object]) -> None:
+        self.on_data = on_data
+        self.raised: BaseException | None = None  # what on_data raised, if it did
+
+    def feed(self, data: bytes) -> None:
+        try:
+            for i in range(0, len(data), STREAM_PIECE):
+                self.on_data(data[i:i + STREAM_PIECE] if len(data) > STREAM_PIECE else data)
+        except BaseException as exc:
+            self.raised = exc  # the caller's own failure: the transport raises it as it is
+            raise
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        return ""
 
 
 def _mib(n: int) -> str:

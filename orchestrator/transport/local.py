@@ -20,7 +20,7 @@ from typing import cast
 from ..config.models import ResolvedHost
 from ..errors import HostError
 from ..localenv import local_env
-from .base import Result, Transport, _Collector, _Tail
+from .base import STREAM_PIECE, Result, Transport, _Collector, _Stream, _Tail
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -47,6 +47,15 @@ class LocalConnection(Transport):
 
     def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
             on_line: Callable[[str], object] | None = None) -> Result:
+        return self._run(command, timeout, stdin, _Collector(on_line, host=self.name))
+
+    def run_stream(self, command: str, *, on_data: Callable[[bytes], object], timeout: float | None = None,
+                   stdin: bytes | str | None = None) -> Result:
+        """``run`` with stdout in pieces to ``on_data`` (Transport.run_stream)."""
+        return self._run(command, timeout, stdin, _Stream(on_data), bufsize=STREAM_PIECE)
+
+    def _run(self, command: str, timeout: float | None, stdin: bytes | str | None, out: _Collector | _Stream,
+             bufsize: int = 65536) -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
         start = time.monotonic()
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -54,7 +63,7 @@ class LocalConnection(Transport):
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         pin, pout = proc.stdin, proc.stdout
         perr = cast(io.BufferedReader, proc.stderr)  # what Popen makes (bufsize -1); typeshed says IO[bytes]
-        out, err = _Collector(on_line, host=self.name), _Tail()
+        err = _Tail()
 
         def feed_stdin() -> None:
             try:
@@ -85,7 +94,7 @@ class LocalConnection(Transport):
                     raise HostError(f"local command did not finish within {limit:g}s", host=self.name)
                 r, _, _ = select.select([fd], [], [], min(remaining, 0.25))
                 if r:
-                    chunk = os.read(fd, 65536)
+                    chunk = os.read(fd, bufsize)
                     if not chunk:
                         break
                     out.feed(chunk)

@@ -10,7 +10,8 @@ What ssh is told, and why, is in openssh_setup.py (the one commented place for i
   which sh writes an exit marker on stderr: ssh's own exit 255 (it could not connect, or the
   connection died) is never taken for the command's, and a command whose leftover child holds the
   output open ends AFTER_EXIT_S after its shell did (as the paramiko transport does);
-* stdout goes through transport._Collector (streaming on_line, bounded), stderr through _Tail;
+* stdout goes through transport._Collector (streaming on_line, bounded), or with ``run_stream`` (binary
+  stdout: dfo pull's bytes) to the caller's on_data in pieces, nothing kept; stderr through _Tail;
   stdin bytes are written by a thread and closed (secrets travel there, never in argv);
 * ssh's failures become dfo's errors (openssh_errors.py): a changed, revoked or unverifiable host key
   is HostKeyError naming the hop, a dead link ConnectionLost, the rest HostError (all exit 4);
@@ -36,12 +37,13 @@ from ..config.models import ResolvedHost
 from ..errors import ConnectionLost, HostError
 from . import openssh_keys as keys
 from . import openssh_setup as setup
-from .base import Result, Transport, _Collector, _Tail, sh_command
+from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
 PERSIST_OFF_S = 5  # ssh_persist 0: how long a master outlives a dfo that could not end it (killed)
 AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
 SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
+PIPE_BIG = 1 << 20  # run_stream: ssh's stdout pipe is grown to this (fewer wake-ups per byte), when Linux lets it
 
 
 class _ErrScan:
@@ -169,19 +171,28 @@ class OpenSSH(Transport):
     def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
             on_line: Callable[[str], object] | None = None) -> Result:
         """Run ``command`` (a shell string, built with shlex.quote) and wait, at most ``timeout`` s."""
+        return self._run(command, timeout, stdin, lambda: _Collector(on_line, host=self.name))
+
+    def run_stream(self, command: str, *, on_data: Callable[[bytes], object], timeout: float | None = None,
+                   stdin: bytes | str | None = None) -> Result:
+        """``run`` with stdout in pieces to ``on_data`` (Transport.run_stream)."""
+        return self._run(command, timeout, stdin, lambda: _Stream(on_data), big_pipe=True)
+
+    def _run(self, command: str, timeout: float | None, stdin: bytes | str | None,
+             sink: Callable[[], _Collector | _Stream], big_pipe: bool = False) -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
         start = time.monotonic()
         prep = self._prepared()
         payload = stdin.encode() if isinstance(stdin, str) else stdin
         fresh = self._fresh(prep)
         while True:
-            result = self._once(prep, command, start, limit, payload, on_line, fresh)
+            result = self._once(prep, command, start, limit, payload, sink(), fresh, big_pipe)
             if result is not None:
                 return result
             fresh = True  # the master failed before the session opened: once more, on a connection of its own
 
     def _once(self, prep: keys.Prepared, command: str, start: float, limit: float, payload: bytes | None,
-              on_line: Callable[[str], object] | None, fresh: bool) -> Result | None:
+              out: _Collector | _Stream, fresh: bool, big_pipe: bool) -> Result | None:
         marker = secrets.token_hex(8)
         argv = self._argv(prep, sh_command(command, marker), fresh)
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
@@ -193,8 +204,11 @@ class OpenSSH(Transport):
             assert proc.stdin is not None
             threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True,
                              name=f"dfo-stdin-{self.name}").start()
-        out, err = _Collector(on_line, host=self.name), _ErrScan(marker)
+        err = _ErrScan(marker)
         ofd, efd = proc.stdout.fileno(), proc.stderr.fileno()
+        if big_pipe:
+            _grow_pipe(ofd)
+        bufsize = PIPE_BIG if big_pipe else 65536
         open_fds = {ofd, efd}
         got_output = False
         ended: float | None = None  # when the command's shell ended (marker) or ssh exited
@@ -209,7 +223,7 @@ class OpenSSH(Transport):
                     time.sleep(0.02)
                 got = False
                 for fd in ready:
-                    chunk = os.read(fd, 65536)
+                    chunk = os.read(fd, bufsize)
                     if not chunk:
                         open_fds.discard(fd)
                     elif fd == ofd:
@@ -264,6 +278,18 @@ class OpenSSH(Transport):
         why: a changed key, a refused login) to /dev/null. Made again without sharing, it says why."""
         return bool(self.host.proxy_jump or self.host.proxy_command) and (
             "kex_exchange_identification" in text or "Connection closed by UNKNOWN" in text)
+
+
+def _grow_pipe(fd: int) -> None:
+    """A bigger pipe for ssh's stdout (Linux: F_SETPIPE_SZ; /proc/sys/fs/pipe-max-size caps it): run_stream
+    reads it in larger pieces. Elsewhere, or refused, the pipe stays as it is."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import fcntl
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BIG)
+    except OSError:
+        pass
 
 
 def _feed(pipe: object, data: bytes) -> None:

@@ -137,6 +137,13 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
                           hint="point it at the private key for this host")
     if transport == "openssh":
         return _resolve_openssh(inv, name, entry, alias, explicit, absolute)
+    if transport == "paramiko" and _ssh_g_usable():
+        # `ssh -G` says where the host is (Include, Match, tokens: as ssh reads them); paramiko connects there
+        got = _resolve_openssh(inv, name, entry, alias, explicit, absolute)
+        _say_unhonoured(name, _top_level_lookup(alias, explicit), got.ssh_resolved)
+        jump = _fabric_jump(got.proxy_jump) if got.proxy_jump else None
+        return got.model_copy(update={"transport": "paramiko", "proxy_jump": jump, "ssh_options": [],
+                                      "ssh_resolve": None, "ssh_resolved": {}})
     sshc = _ssh_config_lookup(alias, explicit) if transport == "paramiko" else {}
     _say_unhonoured(name, sshc)
     identities: list[str] = []
@@ -237,13 +244,60 @@ _PARAMIKO_IGNORES = {
 _SAID: set[str] = set()
 
 
-def _say_unhonoured(name: str, sshc: dict[str, Any]) -> None:
-    """On the paramiko transport: name, once per host, the ssh_config keywords it does not apply."""
+# `ssh -G` prints every keyword; these values are OpenSSH's defaults (not the user's doing). The algorithm
+# lists always print, so for those only paramiko's own reading of the top-level files can tell.
+_SSH_G_DEFAULTS = {
+    "identitiesonly": {"no"}, "controlmaster": {"false", "no"}, "controlpersist": {"no"}, "controlpath": {"none"},
+    "forwardagent": {"no"}, "canonicalizehostname": {"false", "no"}, "addressfamily": {"any"},
+    "securitykeyprovider": {"internal", "$SSH_SK_PROVIDER"}, "identityagent": {"SSH_AUTH_SOCK", "none"},
+    "pkcs11provider": {"none"},
+}
+
+
+def _fabric_jump(spec: str) -> str:
+    """``ssh -G``'s ProxyJump (``root@[10.0.0.2]:22``) as fabric parses one (``root@10.0.0.2:22``): no
+    brackets around a name or an IPv4 address (an IPv6 address keeps none either, and loses a port)."""
+    from .openssh_setup import jump_hops
+
+    hops = []
+    for user, host, port in jump_hops(spec):
+        hop = f"{host}:{port}" if port and ":" not in host else host
+        hops.append(f"{user}@{hop}" if user else hop)
+    return ",".join(hops)
+
+
+def _ssh_g_usable() -> bool:
+    """The paramiko transport resolves hosts with `ssh -G` when an OpenSSH client is on PATH."""
+    from .openssh_setup import usable_ssh
+
+    return usable_ssh() is not None
+
+
+def _top_level_lookup(alias: str, explicit: str | None) -> dict[str, Any]:
+    """paramiko's own reading of the user's files (for naming keywords only): {} where it cannot read them
+    (`ssh -G` did, and that is what counts)."""
+    try:
+        return _ssh_config_lookup(alias, explicit)
+    except ConfigError:
+        return {}
+
+
+def _say_unhonoured(name: str, sshc: dict[str, Any], resolved: dict[str, list[str]] | None = None) -> None:
+    """On the paramiko transport: name, once per host, the ssh_config keywords it does not apply. With
+    ``resolved`` (`ssh -G`'s answer, which already applied Include), keywords set anywhere count too."""
     import glob
     import sys
 
-    keys = [v for k, v in _PARAMIKO_IGNORES.items() if k in sshc
-            and (k != "include" or any(glob.glob(os.path.expanduser(f)) for f in str(sshc[k]).split()))]
+    def set_by_user(k: str) -> bool:
+        if resolved is not None and k == "include":
+            return False  # ssh -G read the included files: what they say of this host was applied
+        if k in sshc and (k != "include" or any(glob.glob(os.path.expanduser(f)) for f in str(sshc[k]).split())):
+            return True
+        if resolved is None or k not in _SSH_G_DEFAULTS or k not in resolved:
+            return False
+        return any(v not in _SSH_G_DEFAULTS[k] for v in resolved[k])
+
+    keys = [v for k, v in _PARAMIKO_IGNORES.items() if set_by_user(k)]
     if keys and name not in _SAID:
         _SAID.add(name)
         sys.stderr.write(f"dfo: {name}: the paramiko transport does not apply {', '.join(keys)} from ssh_config "

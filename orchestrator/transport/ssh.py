@@ -24,7 +24,8 @@ All SSH options live here, in one commented place:
 * an explicit timeout on every call (``run(..., timeout=)``); Ctrl-C leaves at once (the loop
   waits in 0.25 s slices);
 * commands run on a paramiko channel of fabric's transport, with dfo's own loop (streaming
-  on_line, bounded stdout and stderr), not invoke's runners. Output is read to the channel's EOF
+  on_line, bounded stdout and stderr; ``run_stream``: binary stdout to the caller's on_data), not
+  invoke's runners. Output is read to the channel's EOF
   (sshd sends the exit status first; the output's tail may follow it), or AFTER_EXIT_S without a
   byte after the exit status when a process the command left behind holds its output open;
 * remote environment is never passed with ``setenv`` (sshd's AcceptEnv would drop it);
@@ -48,7 +49,7 @@ import paramiko
 
 from ..config.models import ResolvedHost
 from ..errors import AuthFailed, ConnectionLost, DfoError, HostError
-from .base import Result, Transport, _Collector, _Tail, sh_command
+from .base import STREAM_PIECE, Result, Transport, _Collector, _Stream, _Tail, sh_command
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 from .liveness import bounds as liveness_bounds
@@ -319,6 +320,15 @@ class Connection(Transport):
         on_line: Callable[[str], object] | None = None,
     ) -> Result:
         """Run ``command`` (a shell string, built with shlex.quote) and wait, at most ``timeout`` s."""
+        return self._run(command, timeout, stdin, _Collector(on_line, host=self.name))
+
+    def run_stream(self, command: str, *, on_data: Callable[[bytes], object], timeout: float | None = None,
+                   stdin: bytes | str | None = None) -> Result:
+        """``run`` with stdout in pieces to ``on_data`` (Transport.run_stream)."""
+        return self._run(command, timeout, stdin, _Stream(on_data), bufsize=STREAM_PIECE)
+
+    def _run(self, command: str, timeout: float | None, stdin: bytes | str | None, out: _Collector | _Stream,
+             bufsize: int = 65536) -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
         client = self.connect()
         transport = client.get_transport()
@@ -343,7 +353,7 @@ class Connection(Transport):
                 raise self._lost(str(exc)) from None
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
-        out, err = _Collector(on_line, host=self.name), _Tail()
+        err = _Tail()
         exited: float | None = None  # when the exit status was seen (then again at each byte after it)
         try:
             while True:
@@ -357,7 +367,7 @@ class Connection(Transport):
                 select.select([chan], [], [], 0.25)
                 got = False
                 while chan.recv_ready():
-                    out.feed(chan.recv(65536))
+                    out.feed(chan.recv(bufsize))
                     got = True
                 while chan.recv_stderr_ready():
                     err.feed(chan.recv_stderr(65536))

@@ -5,23 +5,40 @@
   ``links``); names starting with ``.dfo`` are dfo's bookkeeping and never listed, nor is a
   ``.git`` folder (the controller refuses such names anyway: it never writes into .git).
 * ``send``: for each requested file, opened with O_NOFOLLOW and still of the size and mtime the
-  controller saw, the bytes from ``offset`` on, as events ``{"t": "d", "i": N, "b": base64}``
-  (1 MiB each), then ``{"t": "end", "i": N, "sha256": ...}``: the sha256 of the WHOLE file, read
-  as it is sent, so the controller checks what it holds (an earlier part included) on arrival.
-  A file that changed since it was listed is reported (``{"t": "changed"}``) and skipped.
+  controller saw, the bytes from ``offset`` on, RAW on stdout (no base64, no JSON): see "The raw
+  stream" below. The sha256 sent at a file's end is of the WHOLE file, read as it is sent, so the
+  controller checks what it holds (an earlier part included) on arrival. A file that changed since
+  it was listed is reported (a ``C`` record) and skipped.
+
+The raw stream (``send``'s stdout). Whatever a login shell prints comes first; then the line
+``@@DFO-RAW@@ NONCE`` (NONCE: the request's ``nonce``, so that no banner can start the stream), then
+records, each a 16-byte header ``struct.pack(">cxxxIQ", KIND, INDEX, LENGTH)`` and LENGTH bytes:
+
+* ``D``: LENGTH bytes (at least 1; this module sends at most CHUNK) of file INDEX (its position in
+  the request's ``files``), the next ones after those already sent (the first: at its ``offset``);
+* ``E``: file INDEX is whole; LENGTH is 32, the raw sha256 of the whole file;
+* ``C``: file INDEX changed since it was listed (or is gone): not sent; LENGTH 0;
+* ``Z``: the end of the records (INDEX and LENGTH 0). The result frame follows as a line, as for
+  every op (remote/_proto.py); an error after the stream began also ends it with ``Z`` first.
+
+Files go in the order asked, each whole before the next. The controller reads a header, checks it
+(a known file, not past its listed size) and only then the bytes it announces.
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import stat
+import struct
+import sys
 from typing import Dict, List, TypedDict
 
-from remote._proto import RemoteError, emit_event, serve
+from remote._proto import RemoteError, serve
 from remote.lib.fsutil import FILE_FLAGS, node_path
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # the most bytes in one D record
+RAW_MARK = b"@@DFO-RAW@@ "
+HEADER = struct.Struct(">cxxxIQ")  # kind, file index, length
 
 
 # --------------------------------------------------------------------------- requests and replies
@@ -50,10 +67,10 @@ class Wanted(TypedDict):
 
 
 class SendRequest(TypedDict, total=False):
-    """``send`` -> ``{"sent": int}``, after events per file: ``{"t": "d", "i": N, "b": base64}`` (1 MiB
-    each), ``{"t": "end", "i": N, "sha256": whole file}``, or ``{"t": "changed", "i": N}``."""
+    """``send`` -> ``{"sent": int}``, after the raw stream of the files (module docstring)."""
     op: str
     root: str
+    nonce: str  # hex, repeated in the line that starts the raw stream
     files: List[Wanted]
 
 
@@ -111,41 +128,74 @@ def op_list(req: ListRequest):
             "missing": missing}
 
 
+class _Raw:
+    """The raw stream on stdout (fd 1), started with its marker line, ended with a Z record."""
+
+    def __init__(self, nonce):
+        sys.stdout.flush()  # anything printed before goes first
+        self.out = sys.stdout.buffer
+        self.out.write(RAW_MARK + nonce.encode("ascii") + b"\n")
+
+    def record(self, kind, i, body=b""):
+        self.out.write(HEADER.pack(kind, i, len(body)))
+        if body:
+            self.out.write(body)
+
+    def end(self):
+        self.out.write(HEADER.pack(b"Z", 0, 0))
+        self.out.flush()
+
+
 def op_send(req: SendRequest):
     root = node_path(req["root"])
-    sent = 0
-    for i, f in enumerate(req.get("files") or []):
+    nonce = req.get("nonce") or ""
+    if not nonce or not all(c in "0123456789abcdef" for c in nonce) or len(nonce) > 64:
+        raise RemoteError("usage", "pull: send needs a nonce (hex)")
+    files = req.get("files") or []
+    for f in files:
         rel = f["path"]
         if not _rel_ok(rel) or any(_skip(c) for c in rel.split("/")):
             raise RemoteError("usage", "pull: refused path %r" % rel)
-        try:
-            fd = os.open(os.path.join(root, rel), os.O_RDONLY | FILE_FLAGS)
-        except OSError:
-            emit_event({"t": "changed", "i": i})
-            continue
-        with os.fdopen(fd, "rb", buffering=0) as fh:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f["size"] or st.st_mtime_ns != f["mtime_ns"]:
-                emit_event({"t": "changed", "i": i})
-                continue
-            h = hashlib.sha256()
-            offset = int(f.get("offset") or 0)
-            done = 0
-            while done < offset:  # the part the controller holds: hashed, not sent
-                buf = fh.read(min(CHUNK * 8, offset - done))
-                if not buf:
-                    break
-                h.update(buf)
-                done += len(buf)
-            while True:
-                buf = fh.read(CHUNK)
-                if not buf:
-                    break
-                h.update(buf)
-                emit_event({"t": "d", "i": i, "b": base64.b64encode(buf).decode("ascii")})
-            emit_event({"t": "end", "i": i, "sha256": h.hexdigest()})
-            sent += 1
-    return {"sent": sent}
+    raw = _Raw(nonce)
+    try:
+        return {"sent": sum(_send_one(raw, root, i, f) for i, f in enumerate(files))}
+    finally:
+        raw.end()
+
+
+def _send_one(raw, root, i, f):
+    """File i as D records and its E record (1), or a C record (0)."""
+    try:
+        fd = os.open(os.path.join(root, f["path"]), os.O_RDONLY | FILE_FLAGS)
+    except OSError:
+        raw.record(b"C", i)
+        return 0
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != f["size"] or st.st_mtime_ns != f["mtime_ns"]:
+            raw.record(b"C", i)
+            return 0
+        h = hashlib.sha256()
+        offset = int(f.get("offset") or 0)
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        done = 0
+        while done < offset:  # the part the controller holds: hashed, not sent
+            n = fh.readinto(view[:min(CHUNK, offset - done)])
+            if not n:
+                break
+            h.update(view[:n])
+            done += n
+        left = f["size"] - done  # never more than listed: a file that grew is not sent past its size
+        while left > 0:
+            n = fh.readinto(view[:min(CHUNK, left)])
+            if not n:
+                break
+            h.update(view[:n])
+            raw.record(b"D", i, view[:n])
+            left -= n
+        raw.record(b"E", i, h.digest())
+        return 1
 
 
 OPS = {"list": op_list, "send": op_send}

@@ -331,23 +331,42 @@ def _read_exact(stream, n, h, fd):
         left -= len(buf)
 
 
-def _clear_way(tree, rel):
-    """An empty folder where a file must go is removed; one that holds files is an error."""
-    d, name = Tree.split(rel)
-    fd = tree.dir(d, create=True)
+def _clear_way(tree, rel, fd, name):
+    """After a rename refused because a folder is where file ``rel`` must go: an empty folder is
+    removed (the caller renames again); one that holds files is an error."""
     try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return fd, name
-    if stat.S_ISDIR(st.st_mode):
+        os.rmdir(name, dir_fd=fd)
+        tree.drop(rel)
+    except OSError:
+        raise RemoteError("config", "code: %s on the node is a folder with files dfo did not push; "
+                                    "it cannot become a file" % os.path.join(tree.dest, rel),
+                          hint="move that folder away on the node, or rename the file") from None
+
+
+def _dir_of(tree, rel):
+    """(the fd of ``rel``'s folder, made when missing, never through a symlink; ``rel``'s name)."""
+    d, name = Tree.split(rel)
+    return tree.dir(d, create=True), name
+
+
+def _into_place(tree, rel, tmp, tmp_fd, fd, name):
+    """Rename ``tmp`` over ``rel``; a folder in the way is removed when empty (``_clear_way``)."""
+    for attempt in (0, 1):
         try:
-            os.rmdir(name, dir_fd=fd)
-            tree.drop(rel)
-        except OSError:
-            raise RemoteError("config", "code: %s on the node is a folder with files dfo did not push; "
-                                        "it cannot become a file" % os.path.join(tree.dest, rel),
-                              hint="move that folder away on the node, or rename the file") from None
-    return fd, name
+            os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fd)
+            return
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                raise RemoteError("config", "code: %s is on another filesystem than %s/.dfo; dfo renames "
+                                  "files into place" % (os.path.join(tree.dest, rel), tree.dest)) from None
+            st = None if attempt else os.stat(name, dir_fd=fd, follow_symlinks=False)
+            try:
+                if st is None or not stat.S_ISDIR(st.st_mode):
+                    raise
+                _clear_way(tree, rel, fd, name)
+            except BaseException:
+                os.unlink(tmp, dir_fd=tmp_fd)  # nothing half-done left behind
+                raise
 
 
 def _delete(tree, files, rels):
@@ -410,8 +429,9 @@ def _push(req, stream, want=None):
             sent = nbytes = 0
             for i, f in enumerate(req.get("files", [])):
                 rel = f["path"]
-                fd, name = _clear_way(tree, rel)
+                fd, name = _dir_of(tree, rel)
                 tmp = "p%d.%d" % (os.getpid(), i)
+                st = None
                 if f.get("link") is not None:
                     os.symlink(f["link"], tmp, dir_fd=tmp_fd)
                 else:
@@ -421,6 +441,7 @@ def _push(req, stream, want=None):
                     try:
                         _read_exact(stream, int(f["size"]), h, wfd)
                         os.fchmod(wfd, mode)
+                        st = os.fstat(wfd)  # the inode, size and mtime it keeps when renamed into place
                     finally:
                         os.close(wfd)
                     if h.hexdigest() != f["sha256"]:
@@ -428,21 +449,17 @@ def _push(req, stream, want=None):
                         raise RemoteError("verify", "code: %s arrived with sha256 %s, expected %s"
                                           % (rel, h.hexdigest()[:16], f["sha256"][:16]))
                     nbytes += int(f["size"])
-                try:
-                    os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno != errno.EXDEV:
-                        raise
-                    raise RemoteError("config", "code: %s is on another filesystem than %s/.dfo; dfo renames "
-                                      "files into place" % (os.path.join(d.real, rel), d.real)) from None
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                _into_place(tree, rel, tmp, tmp_fd, fd, name)
+                if st is None:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 files[rel] = {"sha256": f.get("sha256"), "mode": f.get("mode"), "link": f.get("link"),
                               "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
                 sent += 1
         finally:
             os.close(tmp_fd)
         digest = _save_manifest(d.meta_fd, files, _owner_of(req) or owner)
-        match = bool(files) and digest == want and _all_intact(d, files)
+        written = set(f["path"] for f in req.get("files", []))  # stat'ed just now, as they were renamed into place
+        match = bool(files) and digest == want and _all_intact(d, files, skip=written)
         out = {"match": match, "dest": d.real, "sent": sent, "bytes": nbytes, "deleted": len(deleted),
                "kept": len(kept), "kept_files": sorted(kept)[:10], "digest": digest, "count": len(files),
                "seconds": round(time.time() - started, 3)}
@@ -454,8 +471,8 @@ def _push(req, stream, want=None):
         d.close()
 
 
-def _all_intact(d, files):
-    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items())
+def _all_intact(d, files, skip=()):
+    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items() if rel not in skip)
 
 
 def op_sync(req: PushRequest):

@@ -44,6 +44,9 @@ def message(event, meta, extra=None):
     if event in ("failed", "succeeded", "stopped"):
         how = " (%s)" % ("killed by %s" % extra["signal"] if extra.get("signal")
                          else "exit code %s" % extra.get("exit_code"))
+    elif event == "restarted":
+        how = " (generation %s, after %s%s)" % (extra.get("generation"), extra.get("why") or "?",
+                                                 " on %s" % extra["lost_host"] if extra.get("lost_host") else "")
     elif event == "idle":
         how = " (every GPU under %s%% for %s min%s)" % (extra.get("idle_util_pct"), extra.get("idle_minutes"),
                                                        "; stopping it" if extra.get("action") == "stop" else "")

@@ -86,6 +86,7 @@ class LaunchRequest(TypedDict, total=False):
     outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
     metrics: Dict[str, Any]  # the sampler's spec (remote/runs/metrics.py): every, log_metrics, idle_*
     notify: Dict[str, Any]  # {webhook, on}: the webhook URL goes to the supervisor's stdin only
+    generation: Dict[str, Any]  # a run that recovers (issue 20): lineage, generation, restarts so far
 
 
 class ReadRequest(Where, total=False):
@@ -167,6 +168,7 @@ class RunInfo(TypedDict, total=False):
     group_left: List[int]
     gang: Dict[str, Any]
     metrics: Optional[Dict[str, Any]]  # the last sys and train rows of metrics.jsonl
+    generation: Optional[Dict[str, Any]]  # lineage, generation, restarts (remote/runs/generation.py)
 
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -234,6 +236,8 @@ def describe(run_id, run_dir, tail=0, state=None):
     sys_row, train = last_rows(os.path.join(run_dir, METRICS))
     if sys_row is not None or train is not None:  # the sampler's last rows (remote/runs/metrics.py)
         info["metrics"] = {"sys": sys_row, "train": train}
+    if meta.get("generation"):  # a run that recovers: which generation of which lineage, restarts before it
+        info["generation"] = meta["generation"]
     if meta.get("gang"):  # a node of a gang: its place, and what its gang watch recorded (gang.json)
         info["gang"] = dict(meta["gang"], watch=rec.read_json(os.path.join(run_dir, "gang.json")))
     return info
@@ -328,6 +332,8 @@ def _start(req, run_id, run_dir, uploads):
     ship = req.get("outputs")
     if isinstance(ship, dict):  # the spec without credentials: those go to the supervisor's stdin alone
         meta["outputs"] = dict((k, v) for k, v in ship.items() if k != "credentials")
+    if isinstance(req.get("generation"), dict):
+        meta["generation"] = req["generation"]
     gang = req.get("gang")
     if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
         meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),

@@ -294,6 +294,9 @@ def supervise(run_dir, status_fd):
             runship = None
     notifier = Notifier(run_dir, spec.get("notify"), meta)
     spec["notify"] = None  # the notifier holds the webhook URL (a secret)
+    restarts = (meta.get("generation") or {}).get("restarts") or []
+    if restarts and isinstance(restarts[-1], dict):  # a new generation of a run that recovers (issue 20)
+        notifier.send("restarted", dict(restarts[-1], generation=meta["generation"].get("generation")))
     sampler = _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path)
     spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
     trainer_done: List[int] = []

@@ -27,6 +27,7 @@ from remote._proto import RemoteError
 from remote.lib.destsafety import open_meta
 from remote.lib.fsutil import FILE_FLAGS, human_bytes
 from remote.lib.retry import Stopped, retry
+from remote.runs import generation
 from remote.s3.client import S3Error, split_s3_url
 from remote.s3.upload import MIB, CpuGovernor, Uploader, abort_upload, local_etag, open_uploads, part_size_for
 from remote.ship.scan import Includer, OpenUploads, Shipped, open_for_writing, renamed, scan, settled
@@ -77,6 +78,8 @@ class Shipper:
             lag = self._pass(p, final)
         except Stopped:
             p.update(ok=False, error="stopped (SIGTERM) during the pass")
+        except generation.Superseded as exc:  # an old generation: nothing uploaded, its trainer told to stop
+            p.update(ok=False, error=str(exc), superseded=exc.generation)
         except RemoteError as exc:  # outputs.path/.dfo refused (remote.lib.destsafety.open_meta): nothing written
             hint = exc.extra.get("hint")
             p.update(ok=False, error=exc.message + ("; %s" % hint if hint else ""))
@@ -121,6 +124,7 @@ class Shipper:
             todo = self._not_in_dest(ready, shipped, bucket, prefix, p)
             results = []
             if todo:
+                generation.fence(self._client(), bucket, prefix, self.spec, self.run_dir)  # issue 20
                 up = Uploader(self._client(), bucket, int(self.spec.get("concurrency") or 8),
                               int(self.spec.get("part_size_mb") or 16) * MIB,
                               int(self.spec.get("multipart_threshold_mb") or 64) * MIB,
