@@ -123,6 +123,7 @@ SLOW: set[str] = {
     # dead session, launch --wait's reconnect budget)
     "test_node_dies.py::test_a_node_dies_and_the_run_goes_on_without_torch",
     "test_gang.py::test_a_vanished_node_ends_the_others_and_shows_as_lost",
+    "test_metrics_node.py::test_a_lost_node_is_reported_by_another_node_of_the_gang",
     "test_recovery.py::test_a_lost_node_is_replaced_by_a_spare",  # recovery (issue 20): whole stories
     "test_recovery.py::test_a_killed_trainer_is_restarted_and_exit_1_is_not",
     "test_recovery.py::test_a_watcher_killed_mid_recovery_finishes_it_when_started_again",

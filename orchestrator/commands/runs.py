@@ -231,12 +231,14 @@ def launcher(ctx: click.Context, loaded: LoadedJob, job_path: str, *, window: fl
 @hosts_option
 @click.argument("run", required=False)
 @click.option("--no-follow", is_flag=True, help="Print the last lines and exit 0, like `tail` without -f.")
+@click.option("--from-s3", "from_s3", is_flag=True,
+              help="Print the run's log from outputs.dest (with -j; RUN whole), for a run whose node is gone.")
 @click.option("-n", "--lines", default="10", show_default=True, metavar="N|+N",
               help="Start with the last N lines, or from line N with +N (+1: the whole log).")
 @job_option(required=False)
 @click.pass_context
-def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_follow: bool, lines: str,
-             job_path: str | None) -> int:
+def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_follow: bool, from_s3: bool,
+             lines: str, job_path: str | None) -> int:
     """Follow a run's log until the run ends (RUN: an id or its unique prefix; default: the newest run).
 
     \b
@@ -263,6 +265,10 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
         raise UsageError(f"--lines {lines!r}: expected N or +N")
     start: int | str = lines if lines.startswith("+") else int(lines)
     loaded = load_job(job_path) if job_path else None
+    if from_s3:  # the copy the node's supervisor put beside the checkpoints (docs/metrics.md)
+        from .plot import print_log_from_s3
+
+        return print_log_from_s3(loaded, run, start)
     sess = session(ctx, hosts)
     with sess:
         code, _, _ = follow_hosts(ctx, sess, run=run, no_follow=no_follow, start=start, loaded=loaded,
@@ -304,8 +310,14 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     sess = session(ctx, hosts)
 
     def one(conn: Transport) -> list[steps.RunInfo]:
-        return steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
+        runs = steps.status(conn, _workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
                             limit=limit)
+        from ..steps.metrics import cost, price_of
+
+        price = price_of(sess.inventory, conn.host.name)
+        for r in runs:
+            r.cost = cost(r, price)
+        return runs
 
     with sess:
         outcomes = sess.each(one)

@@ -20,6 +20,7 @@ from ..cli_common import console, err_console, safe
 from ..diagnosis import render as render_diagnoses
 from ..steps import runs as steps
 from ..steps.fleet import RECAP_LINES, recap  # noqa: F401 - re-exported
+from ..steps.metrics import sample_line
 from ..steps.outputs import summary_line
 
 STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
@@ -144,6 +145,11 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
         shipped = summary_line(r.outputs)
         if shipped:
             t.add_row("outputs", safe(shipped.split(": ", 1)[1]))
+        sampled = sample_line(r.metrics)
+        if sampled:
+            t.add_row("metrics", safe(sampled))
+        if r.cost is not None:
+            t.add_row("cost", f"{r.cost:.2f}")
         recovered = _story(r.generation)
         if recovered:
             t.add_row("recovery", safe(recovered))
@@ -166,6 +172,10 @@ def render_status(ctx: click.Context, host: str, runs: list[steps.RunInfo], deta
         shipped = summary_line(r.outputs)
         if shipped:
             console.print(f"  {safe(r.id)}: {safe(shipped)}", highlight=False, soft_wrap=True)
+        sampled = sample_line(r.metrics) if r.state == "running" else None
+        if sampled:  # the sampler's last row: one line per running run (docs/metrics.md)
+            cost = f" | cost {r.cost:.2f}" if r.cost is not None else ""
+            console.print(f"  {safe(r.id)}: {safe(sampled)}{cost}", highlight=False, soft_wrap=True)
         recovered = _story(r.generation)
         if recovered:
             console.print(f"  {safe(r.id)}: {safe(recovered)}", highlight=False, soft_wrap=True)

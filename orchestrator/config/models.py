@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from remote.lib.redact import is_secret
@@ -44,6 +44,7 @@ class HostDefaults(Strict):
     transport: TransportName | None = None  # every host's, unless its own entry says otherwise
     ssh_persist: float = Field(default=60.0, ge=0)  # OpenSSH: seconds a shared connection outlives dfo; 0: off
     ssh_config: str | None = None  # OpenSSH and paramiko: this ssh_config file only (as ssh -F)
+    price_per_hour: float | None = Field(default=None, ge=0)  # every host's, unless its own entry says otherwise
 
 
 class HostEntry(Strict):
@@ -57,6 +58,7 @@ class HostEntry(Strict):
     proxy_jump: str | None = None
     transport: TransportName | None = None  # default: defaults.transport, else ssh
     private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
+    price_per_hour: float | None = Field(default=None, ge=0)  # what the node costs (status, top, report)
 
 
 class Inventory(Strict):
@@ -277,6 +279,26 @@ class RunConfig(Strict):
     launcher: Literal["none", "torchrun"] = "none"  # torchrun: run.command is what torchrun runs
     nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"  # auto: the node's GPU count (1 without)
     rdzv_port: int = Field(default=29400, ge=1, le=65535)
+    metrics_every: float = Field(default=10.0, ge=0)  # seconds between the sampler's rows; 0: no sampler
+    log_metrics: dict[str, str] = {}  # name -> regex with one group, matched on each log line (docs/metrics.md)
+    idle_util_pct: float = Field(default=5.0, ge=0, le=100)
+    idle_minutes: float | None = Field(default=None, gt=0)  # every GPU under idle_util_pct this long: idle
+    idle_action: Literal["alert", "stop"] = "alert"
+
+    @field_validator("log_metrics")
+    @classmethod
+    def _one_group(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, pat in v.items():
+            if not _NAME.match(name):
+                raise jobrules.fail(f"{name!r}: a metric's name is letters, digits, '.', '_' or '-'")
+            try:
+                groups = re.compile(pat).groups
+            except re.error as exc:
+                raise jobrules.fail(f"{name}: {pat!r} is not a regular expression: {exc}") from None
+            if groups != 1:
+                raise jobrules.fail(f"{name}: {pat!r} has {groups} groups; it needs exactly one, around the number")
+        return v
+
     # recovery (issue 20): hosts (or group names) that may replace a lost node; restarts: when
     spares: list[str] = []
     restarts: RestartsConfig | None = None
@@ -307,6 +329,23 @@ class RunConfig(Strict):
         return self.restarts or RestartsConfig()
 
 
+class NotifyConfig(Strict):
+    """notify: where the node's supervisor posts alerts (docs/metrics.md). ``webhook`` is a secret: write
+    ``$NAME`` (or ``${NAME}``) and it is read from this shell's environment when the run is launched."""
+
+    webhook: str
+    on: list[Literal["failed", "lost", "restarted", "succeeded", "stopped", "idle"]] = [
+        "failed", "lost", "restarted", "succeeded", "idle"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, v: object) -> object:
+        """YAML 1.1 reads a bare ``on:`` key as true: take it as ``on``."""
+        if isinstance(v, dict) and True in v and "on" not in v:
+            v = {("on" if k is True else k): x for k, x in v.items()}
+        return v
+
+
 class Job(Strict):
     name: str
     python: Annotated[str, AfterValidator(canonical)] = "python3"
@@ -322,6 +361,7 @@ class Job(Strict):
     code: CodeConfig | None = None
     outputs: OutputsConfig | None = None
     run: RunConfig | None = None
+    notify: NotifyConfig | None = None
 
     @field_validator("name")
     @classmethod

@@ -73,6 +73,8 @@ class RunInfo(BaseModel):
     outputs: dict[str, Any] | None = None  # the shipper's record (RUN_DIR/outputs.json); None: nothing ships
     restore: dict[str, Any] | None = None  # launch only: what restore fetched before the run started
     gang: dict[str, Any] | None = None  # a node of a gang: rank, hosts, hub, port, run, watch (its gang.json)
+    metrics: dict[str, Any] | None = None  # the sampler's last rows: {"sys": ..., "train": ...} (docs/metrics.md)
+    cost: float | None = None  # status: the cost so far (hosts.NAME.price_per_hour), set by the command
     generation: dict[str, Any] | None = None  # a run that recovers: lineage, generation, restarts (issue 20)
 
     def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
@@ -85,7 +87,7 @@ class RunInfo(BaseModel):
         return RunBrief(id=self.id, job=self.job, state=self.state, exit_code=self.exit_code, started=self.started,
                         ended=self.ended, signal=self.signal, pid=self.pid, last_line=self.last_line,
                         autotune_guard=self.autotune_guard, diagnosis=[d.to_json() for d in self.diagnoses()],
-                        outputs=self.outputs, generation=self.generation)
+                        outputs=self.outputs, metrics=self.metrics, cost=self.cost, generation=self.generation)
 
     def outputs_failed(self) -> bool:
         """The run ended and the last pass of its outputs failed (tail and up exit 3 when it succeeded)."""
@@ -112,6 +114,8 @@ class RunBrief(BaseModel):
     autotune_guard: dict[str, Any] | None
     diagnosis: list[dict[str, Any]]
     outputs: dict[str, Any] | None = None  # the shipper's record (state, shipped, last_pass, lag_s, errors)
+    metrics: dict[str, Any] | None = None  # the sampler's last sys and train rows
+    cost: float | None = None  # the cost so far, with hosts.NAME.price_per_hour
     # a run that recovers (issue 20): {"lineage", "generation", "restarts": [{at, why, lost_host, spare,
     # resumed_step, generation}], "record"}; null for a run of a job without run.spares/run.restarts
     generation: dict[str, Any] | None = None
@@ -305,6 +309,9 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
         from .outputs import launch_fields
 
         req.update(launch_fields(loaded, rid))  # the spec; credentials (stdin only) beside it
+    from .metrics_spec import launch_fields as metrics_fields
+
+    req.update(metrics_fields(loaded))  # the sampler's spec; notify's webhook (stdin only)
     if generation is None and gang is not None:
         generation = getattr(gang, "generation", None)
     if generation is None and run.recovers and gang is None and (

@@ -28,6 +28,7 @@ from remote.runs import record as rec
 from remote.runs.logfollow import LogReader, start_offset
 from remote.runs.logfollow import Watch as _Watch
 from remote.runs.logfollow import chunk_event as _chunk_event
+from remote.runs.metrics import METRICS, last_rows
 
 # --------------------------------------------------------------------------- requests and replies
 # python3 -m remote.runs reads one JSON object, {"op": NAME, ...}: every op's shapes, in this one place.
@@ -83,6 +84,8 @@ class LaunchRequest(TypedDict, total=False):
     gang: GangPlace
     outputs: Dict[str, Any]  # the shipper's spec (steps/outputs.py outputs_spec)
     outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
+    metrics: Dict[str, Any]  # the sampler's spec (remote/runs/metrics.py): every, log_metrics, idle_*
+    notify: Dict[str, Any]  # {webhook, on}: the webhook URL goes to the supervisor's stdin only
     generation: Dict[str, Any]  # a run that recovers (issue 20): lineage, generation, restarts so far
 
 
@@ -122,6 +125,12 @@ class ShipRequest(Where, total=False):
     outputs_credentials: Optional[Dict[str, Optional[str]]]
 
 
+class MetricsRequest(Where, total=False):
+    """``metrics`` -> RunInfo + ``rows`` (metrics.jsonl, remote/runs/metrics.py) + ``total_rows``."""
+    since: float  # only rows after this time (unix seconds)
+    max_rows: int  # evenly thinned to at most this many, the newest kept
+
+
 class LookRequest(TypedDict):
     """``look`` -> LookReply: what outputs.path holds before a launch's restore."""
     op: str
@@ -158,6 +167,7 @@ class RunInfo(TypedDict, total=False):
     tail: List[str]
     group_left: List[int]
     gang: Dict[str, Any]
+    metrics: Optional[Dict[str, Any]]  # the last sys and train rows of metrics.jsonl
     generation: Optional[Dict[str, Any]]  # lineage, generation, restarts (remote/runs/generation.py)
 
 
@@ -223,6 +233,9 @@ def describe(run_id, run_dir, tail=0, state=None):
         info["tail"] = rec.tail_lines(log, tail)
     if state == "lost":
         info["group_left"] = rec.leftovers(meta)
+    sys_row, train = last_rows(os.path.join(run_dir, METRICS))
+    if sys_row is not None or train is not None:  # the sampler's last rows (remote/runs/metrics.py)
+        info["metrics"] = {"sys": sys_row, "train": train}
     if meta.get("generation"):  # a run that recovers: which generation of which lineage, restarts before it
         info["generation"] = meta["generation"]
     if meta.get("gang"):  # a node of a gang: its place, and what its gang watch recorded (gang.json)
@@ -325,9 +338,15 @@ def _start(req, run_id, run_dir, uploads):
     if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
         meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),
                         "hub": gang.get("hub"), "port": gang.get("port"), "run": run_id}
+    if isinstance(req.get("metrics"), dict):
+        meta["metrics"] = req["metrics"]
+    notify = req.get("notify") if isinstance(req.get("notify"), dict) else None
+    if notify:  # the webhook URL (a secret) to the supervisor's stdin alone
+        meta["notify"] = {"on": notify.get("on"), "webhook": bool(notify.get("webhook"))}
     spec = json.dumps({"command": req["command"], "workdir": req["workdir"], "env": env, "meta": meta,
                        "outputs": meta.get("outputs"), "outputs_credentials": req.get("outputs_credentials"),
-                       "gang": gang if isinstance(gang, dict) else None})
+                       "gang": gang if isinstance(gang, dict) else None, "metrics": req.get("metrics"),
+                       "notify": notify})
     sup_env = dict((k, v) for k, v in os.environ.items() if k not in _DROP_ENV)
     sup_env.update({"PYTHONPATH": AGENT_DIR, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
     r, w = os.pipe()
@@ -552,8 +571,33 @@ def ship(req: ShipRequest):
     return outputs.op_ship(req, resolve)
 
 
+def metrics_op(req: MetricsRequest):
+    """``metrics`` -> RunInfo + ``rows`` (metrics.jsonl's rows after ``since``, at most ``max_rows``, evenly
+    thinned, the newest kept) + ``total_rows``."""
+    from remote.runs.metrics import thin
+
+    run_id, run_dir = resolve(req)
+    since = float(req.get("since") or 0)
+    rows = []
+    try:
+        with open(os.path.join(run_dir, METRICS), "rb") as f:
+            for raw in f:
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and float(row.get("t") or 0) > since:
+                    rows.append(row)
+    except OSError:
+        pass
+    info = describe(run_id, run_dir)
+    info["total_rows"] = len(rows)
+    info["rows"] = thin(rows, int(req.get("max_rows") or 20000))
+    return info
+
+
 OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop": stop, "outputs": outputs_op,
-       "ship": ship, "look": outputs.op_look}
+       "ship": ship, "look": outputs.op_look, "metrics": metrics_op}
 
 
 if __name__ == "__main__":

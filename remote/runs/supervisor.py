@@ -24,9 +24,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import List, Optional, Tuple
 
+from remote.runs.metrics import Sampler
+from remote.runs.notify import IdleWatch, Notifier
 from remote.runs.record import (
     END,
     LOG,
@@ -39,6 +42,7 @@ from remote.runs.record import (
     read_json,
     write_json,
 )
+from remote.runs.runship import RunFilesShip
 from remote.ship.watch import ShipperWatch
 
 GANG = "gang.json"
@@ -148,7 +152,14 @@ def _write_gang(run_dir, watch):
         pass
 
 
-def _start_gang_watch(run_dir, spec, proc, meta):
+def _on_gang_event(run_dir, box, notifier, ev):
+    if box:
+        _write_gang(run_dir, box[0])
+    if notifier is not None and ev.get("event") in ("member-lost", "hub-lost"):  # sent by a node still alive
+        notifier.send("lost", {"lost_host": ev.get("host"), "silent_s": ev.get("silent")})
+
+
+def _start_gang_watch(run_dir, spec, proc, meta, notifier=None):
     """The gang watch beside the trainer (remote/gang/watch.py): when the gang fails elsewhere, stop.json
     says why and the trainer's group gets SIGTERM, then SIGKILL after min(run.stop_grace, 30) s."""
     from remote.gang.watch import GangWatch
@@ -178,7 +189,7 @@ def _start_gang_watch(run_dir, spec, proc, meta):
     watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
                       silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
-                      on_event=lambda ev: _write_gang(run_dir, box[0]) if box else None,
+                      on_event=lambda ev: _on_gang_event(run_dir, box, notifier, ev),
                       peer=gang.get("peer"))  # rank 0 listens on its gang address only (or toward the peer)
     box.append(watch)
     try:
@@ -189,6 +200,48 @@ def _start_gang_watch(run_dir, spec, proc, meta):
         return None
     _write_gang(run_dir, watch)
     return watch
+
+
+def _idle_stop(run_dir, proc, meta, extra):
+    """idle_action: stop -- as dfo stop does: stop.json (why: idle), SIGTERM to the group, SIGKILL after the grace."""
+    grace = float(meta.get("stop_grace") or 30)
+    if read_json(os.path.join(run_dir, STOP)) is None:
+        write_json(os.path.join(run_dir, STOP), {"requested": now_iso(), "grace": grace,
+                                                 "why": "idle: every GPU under %s%% for %s min"
+                                                 % (extra.get("idle_util_pct"), extra.get("idle_minutes"))})
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and leftovers(meta):
+        time.sleep(0.2)
+    if leftovers(meta):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path):
+    """The metrics sampler (remote/runs/metrics.py) and, with run.idle_minutes, the idle watch on its rows."""
+    mspec = spec.get("metrics") or {}
+    if mspec.get("every") == 0:
+        return None
+    idle = None
+    if mspec.get("idle_minutes"):
+        def on_idle(extra):
+            notifier.send("idle", extra)
+            if extra.get("action") == "stop":
+                threading.Thread(target=_idle_stop, args=(run_dir, proc, meta, extra), daemon=True).start()
+
+        idle = IdleWatch(mspec.get("idle_util_pct") or 5, mspec["idle_minutes"], mspec.get("idle_action") or "alert",
+                         on_idle)
+    try:
+        return Sampler(run_dir, mspec, proc.pid, meta.get("workspace") or os.path.dirname(os.path.dirname(
+            os.path.dirname(run_dir))), path=trainer_path, on_sample=idle.feed if idle else None).start()
+    except Exception:  # noqa: BLE001 -- metrics are a courtesy: never let them end the supervisor
+        return None
 
 
 def supervise(run_dir, status_fd):
@@ -215,6 +268,7 @@ def supervise(run_dir, status_fd):
         os.close(status_fd)
         return 1
     os.close(log_fd)
+    trainer_path = spec["env"].get("PATH")
     spec["env"] = None  # drop the secrets from this process as soon as the trainer has them
     st = proc_stat(proc.pid)
     me = proc_stat(os.getpid())
@@ -231,9 +285,22 @@ def supervise(run_dir, status_fd):
     if (spec.get("outputs") or {}).get("dest"):
         shipper = ShipperWatch(run_dir, spec["outputs"], spec.get("outputs_credentials"), os.path.join(run_dir, LOG))
         shipper.start()
+    runship = None
+    if (spec.get("outputs") or {}).get("dest"):  # the log and metrics.jsonl beside the checkpoints (runship.py)
+        try:
+            runship = RunFilesShip(run_dir, meta.get("id") or os.path.basename(run_dir), spec["outputs"],
+                                   spec.get("outputs_credentials")).start()
+        except Exception:  # noqa: BLE001 -- a courtesy: never the supervisor's end
+            runship = None
+    notifier = Notifier(run_dir, spec.get("notify"), meta)
+    spec["notify"] = None  # the notifier holds the webhook URL (a secret)
+    restarts = (meta.get("generation") or {}).get("restarts") or []
+    if restarts and isinstance(restarts[-1], dict):  # a new generation of a run that recovers (issue 20)
+        notifier.send("restarted", dict(restarts[-1], generation=meta["generation"].get("generation")))
+    sampler = _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path)
     spec["outputs_credentials"] = None  # the watcher holds them (for restarts) until its shipper's last exit
     trainer_done: List[int] = []
-    watch = _start_gang_watch(run_dir, spec, proc, meta) if gang else None
+    watch = _start_gang_watch(run_dir, spec, proc, meta, notifier) if gang else None
     spec["gang"] = None  # the watch holds the secret
 
     def forward(signum, frame):  # someone ends the supervisor: end the trainer the same way, keep recording
@@ -271,6 +338,11 @@ def supervise(run_dir, status_fd):
         # dfo stop on this node (not the gang's own stop): the gang ends too, and says it was stopped
         watch.trainer_ended(code, how="stopped" if stop is not None and not asked.startswith("gang failed") else None)
     write_json(os.path.join(run_dir, END), end)
+    notifier.send("stopped" if end["stopped"] else "succeeded" if end["exit_code"] == 0 else "failed", end)
+    if sampler is not None:
+        sampler.stop()  # the log's last training figures and one last sample (after the alert: nvidia-smi may hang)
+    if runship is not None:
+        runship.finish()
     if watch is not None:
         watch.wait()  # the hub outlives its trainer until every member has ended (done, failed or lost)
         watch.close()
@@ -278,6 +350,7 @@ def supervise(run_dir, status_fd):
     if shipper is not None:
         shipper.finish()  # the last pass, after end.json: the run's end is known before the pass ends
         shipper.wait()
+    notifier.wait()
     return 0
 
 
