@@ -23,7 +23,7 @@ from typing import Any
 from remote._proto import split_frame
 from remote.files.pull import HEADER, RAW_MARK
 
-from ..agent import NEED_UPLOAD, carried_parts, module_command, parse_output
+from ..agent import NEED_UPLOAD, NODE, carried_parts, module_command, parse_output
 from ..errors import VerifyError
 from ..transport.base import Result, Transport
 from .pullsink import Sink
@@ -148,7 +148,7 @@ def send(conn: Transport, python: str | None, request: dict[str, Any], sink: Sin
          on_progress: Callable[[], None] | None = None) -> Any:
     """Run remote.files.pull's ``send`` for ``request`` (its files: ``sink.wanted``) over a binary stdout
     (Transport.run_stream), the bytes into ``sink``; the result's data (or its error, raised)."""
-    module = "remote.files.pull"
+    module = NODE.pull
     py = python or conn.host.python
     specs: list[tuple[str, str, int]] = []
     blobs = b""
