@@ -76,7 +76,8 @@ def make_testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 # ============================================================================================
 # test lanes: markers set automatically, short timeouts for tests, skips that CI allows
 #
-#   pytest -m "not testbed"     the unit lane (no sshd, no S3 server; well under 30 s)
+#   pytest -m "not testbed"     the unit lane (no sshd, no S3 server; the CPU-torch trainer tests too)
+#   pytest -m "not testbed and not slow"   the quick lane, while you work
 #   pytest -m "not slow"        everything but the tests of 20 s or more
 #   pytest tests/test_fleet.py  one file (the testbed starts on demand)
 #
