@@ -1,9 +1,12 @@
 """`dfo sync-data` against `aws s3 sync` and `s5cmd sync`: same S3 endpoint, same data, all on one testbed node.
 
-    python bench/s3_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--write-doc]
+    python bench/s3_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--tools dfo,s5cmd,aws]
+                             [--server seaweedfs,rclone] [--baseline REV|DIR] [--write-doc]
 
 One testbed node (its own network namespace, sshd, /workspace on this machine's disk) and the
-testbed's S3 server (SeaweedFS `weed mini`, disk-backed, on the testbed bridge). Cases:
+testbed's S3 server, each of --server in turn (SeaweedFS `weed mini`, disk-backed, and rclone serve s3,
+both on the testbed bridge; a fresh testbed per server). --baseline adds the tool "base": dfo with the
+node code (remote/) of a git revision or folder, timed in the same rounds (before/after in one run). Cases:
 (a) --small objects of 512 KiB, (b) --big objects of 256 MiB (multipart, 8 MiB parts, composite
 CRC32, as boto3 uploads them), (c) a no-op re-sync of (a). Every tool runs ON the node, into a
 fresh directory of the node's /workspace, with its default settings, driven from the controller
