@@ -165,10 +165,11 @@ def report(b: s3_upload_bench.UpBench, server: str, shape: str, path: Path, gib:
     cpu = d["user"] + d["sys"]
     print(f"[{server}] dfo {shape} {gib:.2f} GiB: wall {d['wall']:.2f} s, CPU {cpu:.2f} s (user {d['user']:.2f},"
           f" sys {d['sys']:.2f}) = {cpu / gib:.2f} CPU-s/GiB", flush=True)
-    if stats and args.how == "perf":
-        out = b.sh("perf report -q -i /root/bench-perf.data --no-children --sort dso,sym --stdio 2>/dev/null"
-                   f" | grep -v '^$' | head -{args.top}").stdout
-        print("\n".join("    " + x.strip() for x in out.splitlines()), flush=True)
+    if stats and args.how == "perf":  # by library first (libcrypto: hashing, libz: CRC32, kernel: copies), then symbols
+        for sort, top in (("dso", 6), ("dso,sym", args.top)):
+            out = b.sh(f"perf report -q -i /root/bench-perf.data --no-children --sort {sort} --stdio 2>/dev/null"
+                       f" | grep -v '^$' | head -{top}").stdout
+            print("\n".join("    " + x.strip() for x in out.splitlines()), flush=True)
     elif stats and args.how == "cprofile":
         lines = [x for x in d["stats"].splitlines() if x.strip()]
         start = next((i for i, x in enumerate(lines) if x.strip().startswith("ncalls")), 0)
