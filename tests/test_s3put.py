@@ -105,6 +105,7 @@ def test_single_put_and_multipart_arrive_whole_and_checked(ep: S3Endpoint, tmp_p
                   progress=done.append)
     res = up.upload([item(small, "a/small.bin"), item(big, "a/big.bin"), item(empty, "a/empty")])
     assert [r["ok"] for r in res] == [True, True, True], res
+    assert up.buffers.free == []  # no part buffer held between passes (the shipper lives beside the trainer)
     assert res[0]["etag"] == hashlib.md5(ds).hexdigest() and res[0]["sha256"] == hashlib.sha256(ds).hexdigest()
     parts = [hashlib.md5(db[i:i + 5 * MIB]).digest() for i in range(0, len(db), 5 * MIB)]
     assert res[1]["etag"] == multipart_etag(parts) and res[1]["etag"].endswith("-3")
@@ -334,6 +335,22 @@ def test_the_memory_budget() -> None:
     up = Uploader(None, "b", concurrency=32, part_size=16 * MIB, threshold=64 * MIB)
     assert up.memory.limit == 256 * MIB  # the defaults: 32 x 16 MiB parts would be 512 MiB
     assert Uploader(None, "b", concurrency=4, part_size=16 * MIB, threshold=64 * MIB).memory.limit == 80 * MIB
+
+
+def test_part_buffers_are_used_again_within_the_budget() -> None:
+    """The pool hands a freed part buffer to the next part (no fresh 16 MiB bytearray, no page faults), a
+    bigger one serves a smaller last part, and it never keeps more than its budget."""
+    from remote.s3.upload import BufferPool
+
+    pool = BufferPool(keep=2 * MIB)
+    a = pool.take(MIB)
+    pool.give(a)
+    assert pool.take(MIB) is a  # used again
+    b, c, d = pool.take(MIB), pool.take(MIB), pool.take(MIB)
+    for buf in (a, b, c, d):
+        pool.give(buf)
+    assert len(pool.free) == 2  # 2 MiB kept at most
+    assert len(pool.take(1000)) == MIB  # a bigger buffer serves a smaller part
 
 
 def test_the_part_size_grows_past_10000_parts() -> None:
