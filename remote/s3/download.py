@@ -25,7 +25,7 @@ from remote.lib.retry import retry
 from remote.s3 import verify as s3verify
 from remote.s3.client import RangeIgnored, S3Error, Stopped
 
-READ_CHUNK = 1 << 20  # read-back for an in-order check: small enough to stay in a core's cache
+READ_CHUNK = 4 << 20
 TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -319,13 +319,12 @@ class Engine:
             try:
                 off = i * psize
                 end = min(off + psize, obj.size)
-                buf = memoryview(bytearray(min(READ_CHUNK, end - off)))  # one buffer per part, used again
                 while off < end:
-                    n = os.preadv(obj.fd, [buf[:min(READ_CHUNK, end - off)]], off)
-                    if not n:
+                    data = os.pread(obj.fd, min(READ_CHUNK, end - off), off)
+                    if not data:
                         raise VerifyFailed("%s: short read of the temp file at %d" % (obj.key, off))
-                    obj.verifier.update(buf[:n])
-                    off += n
+                    obj.verifier.update(data)
+                    off += len(data)
             except BaseException:
                 with obj.lock:
                     obj.hashing = False
