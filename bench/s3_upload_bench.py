@@ -1,9 +1,12 @@
 """Uploads: dfo's outputs shipper against `s5cmd cp` and `aws s3 cp --recursive`, all on one testbed node.
 
-    python bench/s3_upload_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--write-doc]
+    python bench/s3_upload_bench.py [--rounds 5] [--small 2000] [--big 4] [--cases a,b] [--tools dfo,s5cmd,aws]
+                                    [--server seaweedfs,rclone] [--baseline REV|DIR] [--write-doc]
 
 One testbed node (its own network namespace, /workspace on this machine's disk) and the testbed's S3
-server (SeaweedFS `weed mini`, disk-backed, on the testbed bridge). The files are written on the node
+server, each of --server in turn (SeaweedFS `weed mini`, disk-backed, and rclone serve s3; a fresh
+testbed per server). --baseline adds the tool "base": the shipper with the node code (remote/) of a git
+revision or folder, timed in the same rounds. The files are written on the node
 once, before the rounds (so every tool reads them from the page cache): (a) --small files of 512 KiB,
 (b) --big files of 256 MiB. Each tool runs ON the node, started there directly (no SSH: the shipper
 runs on the node in production, beside the trainer), and sends the folder to a fresh prefix:
@@ -74,6 +77,9 @@ class UpBench(s3_bench.Bench):
         self.sh(f"rm -rf {self.DATA} && python3 /root/bench-make.py {self.DATA} {small} {big} && sync", timeout=900)
         shutil.copytree(ROOT / "remote", node_root / "bench-dfo" / "remote",
                         ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        if self.baseline is not None:
+            shutil.copytree(self.baseline / "remote", node_root / "bench-base" / "remote",
+                            ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
         self.written = time.time()
         self.client = S3Client(self.s3.url, self.s3.region,
                                {"access_key": self.s3.access_key, "secret_key": self.s3.secret_key})
@@ -99,13 +105,13 @@ class UpBench(s3_bench.Bench):
     def run_up(self, tool: str, case: str, prefix: str) -> tuple[float, float, dict | None]:
         src = f"{self.DATA}/{case}"
         url = self.s3.url
-        if tool == "dfo":
+        if tool in ("dfo", "base"):
             run_dir = f"/root/bench-run-{prefix}"
             spec = self.tb.workdir / self.node.name / "root" / "bench-spec.json"
             spec.write_text(json.dumps(self.spec(case, prefix)) + "\n")
             spec.chmod(0o600)
             self.sh(f"rm -rf {src}/.dfo {run_dir} && mkdir -p {run_dir}")
-            cmd = f"cd /root/bench-dfo && python3 -m remote.ship.shipper {run_dir} < /root/bench-spec.json"
+            cmd = f"cd /root/bench-{tool} && python3 -m remote.ship.shipper {run_dir} < /root/bench-spec.json"
         elif tool == "s5cmd":
             cmd = f"/root/bench-bin/s5cmd --endpoint-url {url} cp '{src}/*' s3://{BUCKET}/{prefix}/ >/dev/null"
         else:
@@ -113,7 +119,7 @@ class UpBench(s3_bench.Bench):
                    f"--endpoint-url {url} --only-show-errors")
         dt, cpu = self.timed(cmd)
         doc = None
-        if tool == "dfo":
+        if tool in ("dfo", "base"):
             out = json.loads(self.sh(f"cat {run_dir}/outputs.json").stdout)
             self.sh(f"rm -rf {src}/.dfo {run_dir}")
             if out.get("state") != "done" or not (out.get("final") or {}).get("ok"):
@@ -130,8 +136,8 @@ class UpBench(s3_bench.Bench):
 
 
 class Results:
-    def __init__(self, args: argparse.Namespace, tools: list[str]) -> None:
-        self.args, self.tools = args, tools
+    def __init__(self, args: argparse.Namespace, tools: list[str], server: str = "seaweedfs") -> None:
+        self.args, self.tools, self.server = args, tools, server
         self.sizes = {"a": (args.small, args.small * 512 * KIB), "b": (args.big, args.big * 256 * MIB)}
         self.times: dict[tuple[str, str], list[float]] = {}
         self.cpu: dict[tuple[str, str], list[float]] = {}
@@ -165,16 +171,17 @@ class Results:
             if ("dfo", case) in best and ("s5cmd", case) in best:
                 r = best[("s5cmd", case)] / best[("dfo", case)]
                 out.append(f"({case}) >= 1x s5cmd: {r:.2f}x, {'met' if r >= 1.0 else 'NOT met'}")
+                if ("base", case) in best:
+                    out[-1] += f" (base: {best[('s5cmd', case)] / best[('base', case)]:.2f}x)"
         return "; ".join(out) + "."
 
     def render(self) -> str:
         a = self.args
         loads = " ".join(f"{x:.1f}" for x in self.loads)
-        cmd = f"python bench/s3_upload_bench.py --rounds {a.rounds} --cases {a.cases} --write-doc"
-        return f"""{SECTION}
+        server = {"seaweedfs": "SeaweedFS (`weed mini`, disk-backed)", "rclone": "rclone serve s3 (local disk)"}
+        return f"""### {server.get(self.server, self.server)}
 
-`{cmd}` ({a.rounds} rounds, tools in rotating order; 1-minute load average at the start of each
-round: {loads}).
+Load average at the start of each round: {loads}.
 
 Best of {a.rounds} (wall time on the node from the tool's start to its exit; CPU = user + system of
 the tool's processes):
@@ -185,22 +192,7 @@ Median of {a.rounds}:
 
 {self.table(statistics.median)}
 
-"dfo vs X" is dfo's throughput over X's: above 1 means dfo is faster. Targets (best of {a.rounds}): {self.targets()}
-
-- Every tool runs on the testbed node (its own network namespace; /workspace on this machine's
-  disk), started there directly, no SSH, reading files written once before the rounds (page cache),
-  each run to a fresh prefix of the testbed's SeaweedFS (`weed mini`, disk-backed), after `sync`.
-- dfo: `python3 -m remote.ship.shipper RUN_DIR` as the supervisor starts it, spec on stdin, then stdin
-  closed (one pass, then the last pass, then exit), with the job defaults (settle 10 s, cpu 2,
-  s3.concurrency 32, 16 MiB parts above 64 MiB). Checks: Content-MD5 and the signed sha256 payload
-  hash of every PUT and part (the server refuses other bytes), the returned ETag compared with the
-  local MD5 (or multipart ETag), x-amz-meta-sha256 (the whole file's sha256, read once more before a
-  multipart upload starts), the file checked unchanged before the upload is completed. s5cmd: 256
-  workers, 50 MiB parts x 5 per file, Content-MD5 not sent; aws: 10 requests at once, 8 MiB parts,
-  its default checksums (as botocore sends them).
-- This machine has 2 cores, shared by the client under test and the S3 server, and other jobs ran
-  beside the benchmark (the load averages above), so single runs vary: the ratios come from one run,
-  each tool under the same conditions.
+Targets (best of {a.rounds}): {self.targets()}
 """
 
 
@@ -224,41 +216,65 @@ def main() -> None:
     ap.add_argument("--big", type=int, default=4)
     ap.add_argument("--tools", default="dfo,s5cmd,aws")
     ap.add_argument("--cases", default="a,b")
+    ap.add_argument("--server", default="seaweedfs,rclone",
+                    help="the testbed's S3 servers to run on, in turn: seaweedfs, rclone or both (default)")
+    ap.add_argument("--baseline", metavar="REV|DIR",
+                    help="also time dfo's shipper with the node code (remote/) of this git revision or folder, "
+                    "as tool 'base'")
     ap.add_argument("--write-doc", action="store_true", help=f"replace the '{SECTION}' section of docs/benchmarks.md")
     args = ap.parse_args()
     tools = args.tools.split(",")
-    res = Results(args, tools)
+    if args.baseline and "base" not in tools:
+        tools.insert(1, "base")
+    texts = []
     with tempfile.TemporaryDirectory(prefix="dfo-s3upbench-", dir="/var/tmp") as tmpd:
         tmp = Path(tmpd)
-        with Testbed(tmp / "tb", nodes=1, s3=True) as tb:
-            if not tb.isolated:
-                raise SystemExit("needs root and network namespaces (the tools must run inside the node)")
-            b = UpBench(tb, tmp)
-            t0 = time.perf_counter()
-            b.setup(args.small, args.big)
-            b.install_peers()
-            print(f"data written on the node in {time.perf_counter() - t0:.1f}s; server {tb.s3.server}", flush=True)
-            time.sleep(max(0.0, b.written + 11 - time.time()))  # older than settle: the first pass takes them
-            for rnd in range(args.rounds):
-                order = tools[rnd % len(tools):] + tools[:rnd % len(tools)]
-                res.loads.append(os.getloadavg()[0])
-                for case in args.cases.split(","):
-                    for tool in order:
-                        prefix = f"{tool}-{case}-r{rnd}"
-                        dt, cpu, doc = b.run_up(tool, case, prefix)
-                        b.check_and_drop(prefix, *res.sizes[case])
-                        res.add(tool, case, dt, cpu)
-                        line = (f"round {rnd + 1} ({case}) {tool}: {dt:.2f}s"
-                                f" = {res.sizes[case][1] / 1e6 / dt:.0f} MB/s, CPU {cpu:.2f}s")
-                        if doc:
-                            line += (f" [passes {doc['passes']}, shipped {doc['shipped']['files']},"
-                                     f" last pass {doc['final']['seconds']:.2f}s]")
-                        print(line + f"  (load {res.loads[-1]:.1f})", flush=True)
-    text = res.render()
-    print(text)
+        baseline = s3_bench.baseline_tree(args.baseline, tmp)
+        for server in args.server.split(","):
+            res = Results(args, tools, server)
+            (tmp / server).mkdir()
+            with Testbed(tmp / server / "tb", nodes=1, s3=True, s3_server=server) as tb:
+                if not tb.isolated:
+                    raise SystemExit("needs root and network namespaces (the tools must run inside the node)")
+                run_server(args, tools, res, UpBench(tb, tmp / server, baseline))
+            texts.append(res.render())
+            print(texts[-1], flush=True)
+    cmd = ["python bench/s3_upload_bench.py", f"--rounds {args.rounds}", f"--small {args.small}", f"--big {args.big}",
+           f"--tools {args.tools}", f"--cases {args.cases}", f"--server {args.server}"]
+    if args.baseline:
+        cmd.append(f"--baseline {args.baseline}")
+    text = f"""{SECTION}
+
+`{' '.join(cmd)} --write-doc` ({args.rounds} rounds per server, tools in rotating order). "base" is dfo's
+shipper with the node code of the baseline (the state before the change under test), run in the same rounds.
+
+""" + "\n".join(texts)
     if args.write_doc:
         write_doc(text)
         print(f"wrote docs/benchmarks.md ({SECTION})")
+
+
+def run_server(args: argparse.Namespace, tools: list[str], res: Results, b: UpBench) -> None:
+    t0 = time.perf_counter()
+    b.setup(args.small, args.big)
+    b.install_peers(aws="aws" in tools)
+    print(f"data written on the node in {time.perf_counter() - t0:.1f}s; server {res.server}", flush=True)
+    time.sleep(max(0.0, b.written + 11 - time.time()))  # older than settle: the first pass takes them
+    for rnd in range(args.rounds):
+        order = tools[rnd % len(tools):] + tools[:rnd % len(tools)]
+        res.loads.append(os.getloadavg()[0])
+        for case in args.cases.split(","):
+            for tool in order:
+                prefix = f"{tool}-{case}-r{rnd}"
+                dt, cpu, doc = b.run_up(tool, case, prefix)
+                b.check_and_drop(prefix, *res.sizes[case])
+                res.add(tool, case, dt, cpu)
+                line = (f"[{res.server}] round {rnd + 1} ({case}) {tool}: {dt:.2f}s"
+                        f" = {res.sizes[case][1] / 1e6 / dt:.0f} MB/s, CPU {cpu:.2f}s")
+                if doc:
+                    line += (f" [passes {doc['passes']}, shipped {doc['shipped']['files']},"
+                             f" last pass {doc['final']['seconds']:.2f}s]")
+                print(line + f"  (load {res.loads[-1]:.1f})", flush=True)
 
 
 if __name__ == "__main__":

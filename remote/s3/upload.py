@@ -7,8 +7,10 @@
   hash (the server refuses other bytes) and ``x-amz-meta-sha256``; the answer's ETag, when it is a
   plain MD5, must be the file's;
 * a bigger file: its sha256 first (for ``x-amz-meta-sha256``), CreateMultipartUpload, then parts of
-  ``part_size`` in parallel (each read once, MD5 + sha256 of those very bytes, Content-MD5 and signed
-  payload hash, the part's ETag checked), and CompleteMultipartUpload only when every part is in,
+  ``part_size`` in parallel (each read once into a pooled buffer, the MD5 of those very bytes sent as
+  Content-MD5, a signed header every S3 server checks, the payload sent as UNSIGNED-PAYLOAD: SeaweedFS
+  and rclone do not check a signed payload hash, docs/data.md; the part's ETag checked against the
+  MD5), and CompleteMultipartUpload only when every part is in,
   checked, and the file is still the one that was hashed. Anything else (a part that fails after its
   retries, a stop, a file that changed meanwhile) -> AbortMultipartUpload: no orphan parts, no object.
 
@@ -34,9 +36,11 @@ from typing import Optional
 from remote.lib.retry import Stopped, retry
 from remote.s3.errors import S3Error, strip_ns
 from remote.s3.limits import CpuGovernor, MemBudget  # noqa: F401 - CpuGovernor: imported from here too
+from remote.s3.sig import UNSIGNED_PAYLOAD
 
 MIB = 1 << 20
 CHUNK = 4 * MIB  # hashing granularity (the governor is asked between chunks)
+READ_BUF = 1 * MIB  # the whole-file sha256's reads: one buffer, used again, small enough for a core's cache
 MAX_PARTS = 10000  # S3's limit per multipart upload
 MEMORY = 256 * MIB  # file content held in memory at once, at most (or threshold + one part, if more)
 PLAIN_ETAG = re.compile(r"^[0-9a-fA-F]{32}$")
@@ -67,15 +71,41 @@ def _stat_id(st):
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
-def _read_at(fd, off, n):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _read_at(fd, off, n, buf=None):
+    """``n`` bytes of ``fd`` at ``off``, read into ``buf`` (a bytearray of at least ``n`` bytes) when given;
+    returns a memoryview of exactly those bytes."""
+    if buf is None:
+        buf = bytearray(n)
+    view, got = memoryview(buf)[:n], 0
     while got < n:
         k = os.preadv(fd, [view[got:]], off + got)
         if not k:
             raise Changed("the file shrank while it was read")
         got += k
-    return buf
+    return view
+
+
+class BufferPool:
+    """Part buffers used again instead of a fresh bytearray per part: glibc gives a buffer that big back
+    to the kernel when it is freed, and the next one costs page faults and zeroing of every page
+    (about 9% of the shipper's CPU on big files, docs/benchmarks.md). At most ``keep`` bytes stay pooled."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.free = []
+        self.lock = threading.Lock()
+
+    def take(self, n):
+        with self.lock:
+            for i, b in enumerate(self.free):
+                if len(b) >= n:
+                    return self.free.pop(i)
+        return bytearray(n)
+
+    def give(self, buf):
+        with self.lock:
+            if (len(self.free) + 1) * len(buf) <= self.keep:
+                self.free.append(buf)
 
 
 def local_etag(path, size, part_size, multipart, governor=None):
@@ -119,6 +149,7 @@ class Uploader:
         self.journal = journal  # .opened(bucket, key, upload_id) / .closed(...): open uploads, kept on disk
         self.memory = MemBudget(max(self.threshold + self.part_size, min(self.concurrency * self.part_size, MEMORY)),
                                 self.stop)
+        self.buffers = BufferPool(self.memory.limit)
 
     # ------------------------------------------------------------------ driver
     def upload(self, items):
@@ -132,6 +163,7 @@ class Uploader:
         finally:
             parts_pool.shutdown(wait=True)
             self.parts_pool = None
+            self.buffers.free.clear()  # nothing held between passes (the shipper lives beside the trainer)
 
     def _one(self, item):
         res = {"key": item["key"], "size": item.get("size"), "etag": None, "sha256": None, "ok": False,
@@ -235,16 +267,18 @@ class Uploader:
         key, size = item["key"], st.st_size
         psize = part_size_for(size, self.part_size)
         whole = hashlib.sha256()
+        buf = memoryview(bytearray(READ_BUF))
         off = 0
         while off < size:  # sha256 of the whole file first: it goes in the object's metadata
             if self.stop.is_set():
                 raise Stopped()
-            self.governor.throttle()
-            data = os.pread(fd, min(CHUNK, size - off), off)
-            if not data:
+            if not off % CHUNK:
+                self.governor.throttle()
+            n = os.preadv(fd, [buf[:min(READ_BUF, size - off)]], off)
+            if not n:
                 raise Changed("it shrank while it was read")
-            whole.update(data)
-            off += len(data)
+            whole.update(buf[:n])
+            off += n
         sha = whole.hexdigest()
         self._check_same(fd, item["path"], st)
         if self.journal is not None:  # before the upload exists: a SIGKILL right after it is created leaves a trace
@@ -314,23 +348,27 @@ class Uploader:
 
     def _part_held(self, fd, key, upload_id, off, i, length, halt):
         self.governor.throttle()
-        data = _read_at(fd, off, length)
-        md5 = hashlib.md5(data).digest()
-        sha = hashlib.sha256(data).hexdigest()
-        query = [("partNumber", str(i + 1)), ("uploadId", upload_id)]
-        headers = {"content-md5": content_md5(md5)}
-        body = memoryview(data)
-        label = "%s part %d" % (key, i + 1)
+        buf = self.buffers.take(length)
+        try:
+            body = _read_at(fd, off, length, buf)
+            md5 = hashlib.md5(body).digest()
+            query = [("partNumber", str(i + 1)), ("uploadId", upload_id)]
+            headers = {"content-md5": content_md5(md5)}
+            label = "%s part %d" % (key, i + 1)
 
-        def put():
-            if self.stop.is_set():
-                raise Stopped()
-            resp = self.client.request("PUT", self.bucket, key, query, headers=headers, label=label, body=body,
-                                       payload_hash=sha)
-            self._read(self.client.check(resp, self.bucket, label, "PUT"), key)
-            return (resp.getheader("etag") or "").strip('"')
+            def put():
+                if self.stop.is_set():
+                    raise Stopped()
+                # Content-MD5 is signed and every S3 server checks it (the payload's sha256 is not checked
+                # by SeaweedFS nor rclone: docs/data.md): the part goes as UNSIGNED-PAYLOAD, one hash less
+                resp = self.client.request("PUT", self.bucket, key, query, headers=headers, label=label, body=body,
+                                           payload_hash=UNSIGNED_PAYLOAD)
+                self._read(self.client.check(resp, self.bucket, label, "PUT"), key)
+                return (resp.getheader("etag") or "").strip('"')
 
-        etag = self._retry(put)
+            etag = self._retry(put)
+        finally:
+            self.buffers.give(buf)
         if PLAIN_ETAG.match(etag) and etag.lower() != md5.hex():
             raise S3Error("verify", "%s: part %d's ETag %s is not the MD5 of the bytes sent (%s)"
                           % (self.client.where(self.bucket, key), i + 1, etag, md5.hex()))
