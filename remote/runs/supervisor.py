@@ -170,21 +170,7 @@ def _start_gang_watch(run_dir, spec, proc, meta, notifier=None):
 
     def stop_gang():
         ff = (box[0].state().get("first_failure") or {}) if box else {}
-        why = "gang failed: %s %s" % (ff.get("host", "?"), ff.get("how", "?"))
-        if read_json(os.path.join(run_dir, STOP)) is None:
-            write_json(os.path.join(run_dir, STOP), {"requested": now_iso(), "grace": grace, "why": why})
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except OSError:
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and leftovers(meta):
-            time.sleep(0.1)
-        if leftovers(meta):  # the group's stragglers too, even after the leader ended
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _stop_group(run_dir, proc, meta, grace, "gang failed: %s %s" % (ff.get("host", "?"), ff.get("how", "?")))
 
     watch = GangWatch(int(gang["rank"]), gang["hosts"], gang["hub"], int(gang["port"]), bytes.fromhex(gang["secret"]),
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
@@ -202,25 +188,29 @@ def _start_gang_watch(run_dir, spec, proc, meta, notifier=None):
     return watch
 
 
-def _idle_stop(run_dir, proc, meta, extra):
-    """idle_action: stop -- as dfo stop does: stop.json (why: idle), SIGTERM to the group, SIGKILL after the grace."""
-    grace = float(meta.get("stop_grace") or 30)
+def _stop_group(run_dir, proc, meta, grace, why):
+    """As dfo stop does: stop.json (with why) unless one exists, SIGTERM to the trainer's process group,
+    SIGKILL to what is left of it after ``grace`` s (stragglers too, even after the leader ended)."""
     if read_json(os.path.join(run_dir, STOP)) is None:
-        write_json(os.path.join(run_dir, STOP), {"requested": now_iso(), "grace": grace,
-                                                 "why": "idle: every GPU under %s%% for %s min"
-                                                 % (extra.get("idle_util_pct"), extra.get("idle_minutes"))})
+        write_json(os.path.join(run_dir, STOP), {"requested": now_iso(), "grace": grace, "why": why})
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except OSError:
         return
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and leftovers(meta):
-        time.sleep(0.2)
+        time.sleep(0.1)
     if leftovers(meta):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def _idle_stop(run_dir, proc, meta, extra):
+    """idle_action: stop -- as dfo stop does, why: idle."""
+    _stop_group(run_dir, proc, meta, float(meta.get("stop_grace") or 30),
+                "idle: every GPU under %s%% for %s min" % (extra.get("idle_util_pct"), extra.get("idle_minutes")))
 
 
 def _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path):
