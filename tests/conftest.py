@@ -109,6 +109,7 @@ SLOW: set[str] = {
     "test_demo.py::test_demo_runs_up_end_to_end",
     "test_demo_ddp.py::test_ranks_log_one_all_reduced_loss_and_resume_from_rank0s_checkpoint",
     "test_demo_ddp.py::test_a_rank_that_exits_1_ends_the_run_non_zero",
+    "test_demo_ddp.py::test_a_planned_stop_saves_the_step_it_ended_on_and_the_next_run_resumes_there",
     "test_pairs.py::test_two_pairs_train_in_threads_loss_falls_and_twice_the_tokens",
     "test_pairs.py::test_pairs_resume_from_checkpoint",
     "test_pairs.py::test_pairs_with_replicas_is_a_usage_error",

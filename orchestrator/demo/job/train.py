@@ -28,6 +28,12 @@ DistributedDataParallel: one process per device (cuda:LOCAL_RANK with NCCL, or t
 each with its own copy of the frozen target and its own batches; every rank logs the same
 all-reduced loss, rank 0 saves the checkpoint, and every rank resumes from rank 0's checkpoint.
 ``--exit-at-step N --exit-rank R`` makes rank R exit 1 at step N (to test how a gang fails).
+
+A planned stop loses no step: on SIGTERM (``dfo stop``, a preemption notice) the step in progress
+finishes, the checkpoint is saved at that step, and the trainer exits 0 saying
+``stopping at step N on SIGTERM``; under torchrun every rank stops after the same step (the ranks
+agree on it with one all-reduce of a flag per step) and rank 0 saves. The outputs shipper's last
+pass then sends that checkpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ import glob
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -160,6 +168,24 @@ class Drafter(nn.Module):
 
 
 # --------------------------------------------------------------------------- training
+STOP = threading.Event()  # set by SIGTERM: finish the step, save, exit 0
+
+
+def stop_requested(step: int, rank: int | None = None) -> bool:
+    """After a step: was a stop asked for? Under torchrun (rank given) every rank learns it at the same step."""
+    if rank is None:
+        asked = STOP.is_set()
+    else:
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if STOP.is_set() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        asked = bool(flag.item())
+    if asked:
+        print((f"rank {rank}: " if rank is not None else "") + f"stopping at step {step} on SIGTERM", flush=True)
+    return asked
+
+
 def save(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(obj, tmp)
@@ -281,9 +307,12 @@ def train_pairs(a: argparse.Namespace) -> int:
             el = time.time() - t0
             print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
                   f"elapsed {el:.1f}s", flush=True)
-        if step % a.save_interval == 0 or step == a.max_steps:
+        stopping = stop_requested(step)
+        if step % a.save_interval == 0 or step == a.max_steps or stopping:
             save(ckpt_path, {"drafter": master.state_dict(), "opt": opt.state_dict(), "step": step,
                              "tokens": total, "dp_pairs": n})
+        if stopping:
+            break
     pool.shutdown()
     print(f"done: {step} steps, {total} tokens, checkpoint {ckpt_path}", flush=True)
     return 0
@@ -354,8 +383,11 @@ def train_ddp(a: argparse.Namespace) -> int:
             el = time.time() - t0
             print(f"rank {rank}: step {step} loss {mean.item():.4f} (all-reduced over {world} ranks) "
                   f"tok/s {seen / max(el, 1e-9):.0f} elapsed {el:.1f}s", flush=True)
-        if rank == 0 and (step % a.save_interval == 0 or step == a.max_steps):
+        stopping = stop_requested(step, rank)
+        if rank == 0 and (step % a.save_interval == 0 or step == a.max_steps or stopping):
             save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
+        if stopping:
+            break
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: done: {step} steps" + (f", checkpoint {ckpt_path}" if rank == 0 else ""), flush=True)
@@ -388,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-rank", type=int, default=0)
     a = ap.parse_args(argv)
     os.makedirs(a.output_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if a.dp_pairs or a.dp_replicas > 1:
             ap.error("under torchrun each rank is one device: drop --dp-pairs / --dp-replicas")
@@ -460,8 +493,11 @@ def main(argv: list[str] | None = None) -> int:
             el = time.time() - t0
             print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
                   f"elapsed {el:.1f}s", flush=True)
-        if step % a.save_interval == 0 or step == a.max_steps:
+        stopping = stop_requested(step)
+        if step % a.save_interval == 0 or step == a.max_steps or stopping:
             save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
+        if stopping:
+            break
     print(f"done: {step} steps, checkpoint {ckpt_path}", flush=True)
     return 0
 
