@@ -306,29 +306,34 @@ def package_of(mod: str, path: str) -> str:
 _INIT_NAMES: dict[str, set[str]] = {}
 
 
+def _top_names(path: Path, guarded: bool) -> set[str]:
+    """Names a file binds at its top level; ``guarded``: also imports under a try or an if (not
+    TYPE_CHECKING's, which bind nothing at run time). A file that does not parse binds nothing."""
+    try:
+        tree = ast.parse(path.read_text())
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif guarded and (isinstance(node, ast.Try) or (isinstance(node, ast.If) and not _is_type_checking(node.test))):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+    return names
+
+
 def init_names(pkg: str) -> set[str]:
     """Names a package's __init__.py binds at its top level (empty for a namespace package)."""
     if pkg not in _INIT_NAMES:
-        names: set[str] = set()
         init = ROOT / pkg.replace(".", "/") / "__init__.py"
-        if init.is_file():
-            try:
-                tree = ast.parse(init.read_text())
-            except SyntaxError:
-                tree = ast.Module(body=[], type_ignores=[])
-            for node in tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    names.add(node.name)
-                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                    for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                        names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-                elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                    names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-                elif isinstance(node, ast.Try) or (isinstance(node, ast.If) and not _is_type_checking(node.test)):
-                    for sub in ast.walk(node):
-                        if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                            names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
-        _INIT_NAMES[pkg] = names
+        _INIT_NAMES[pkg] = _top_names(init, guarded=True) if init.is_file() else set()
     return _INIT_NAMES[pkg]
 
 
@@ -341,23 +346,9 @@ def defined_names(mod: str) -> set[str]:
     """Names a module (a .py file, or a package's __init__.py) binds at its top level."""
     if mod not in _INIT_NAMES:
         path = ROOT / (mod.replace(".", "/") + ".py")
-        if path.is_file():
-            _INIT_NAMES[mod] = set()
-            try:
-                tree = ast.parse(path.read_text())
-            except SyntaxError:
-                return set()
-            names = _INIT_NAMES[mod]
-            for node in tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    names.add(node.name)
-                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                    for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                        names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-                elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                    names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        else:
+        if not path.is_file():
             return init_names(mod)
+        _INIT_NAMES[mod] = _top_names(path, guarded=False)
     return _INIT_NAMES[mod]
 
 
