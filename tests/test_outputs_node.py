@@ -444,7 +444,8 @@ def test_on_a_node_a_killed_shipper_is_restarted_and_the_last_pass_still_ships(t
             break
         time.sleep(0.2)
     assert sh["restarts"] == 1 and sh["pid"] not in (None, first)
-    r = t.dfo("tail", "-H", t.node.name, run, timeout=120)
+    # the whole log (+1): on a loaded machine the restart's line can be more than the default 10 lines back
+    r = t.dfo("tail", "-H", t.node.name, run, "-n", "+1", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "starting it again (1 of 3)" in r.stdout
     st = t.status(run)

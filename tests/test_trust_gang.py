@@ -15,6 +15,7 @@ import os
 import re
 import resource
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -138,8 +139,10 @@ def test_the_hub_keeps_accepting_after_running_out_of_descriptors(tmp_path: Path
     the hub backs off and goes on accepting, so the member that drops meanwhile rejoins and the gang
     succeeds. Its soft limit (8 at start) is raised to the hard limit."""
     hosts, secret, port = ["node-1", "node-2"], secrets.token_bytes(32), _free_port()
+    done = tmp_path / "rank0-may-end"  # rank 0's trainer runs until the test has seen the rejoin
+    wait = f"for i in $(seq 600); do [ -e {shlex.quote(str(done))} ] && exit 0; sleep 0.1; done; exit 1"
     spec = {"rank": 0, "hosts": hosts, "hub": "127.0.0.1", "port": port, "secret": secret.hex(), "gang_id": "g",
-            "command": ["sleep", "12"], "interval": 0.2, "silence": 20, "join_timeout": 20, "linger": 20}
+            "command": ["sh", "-c", wait], "interval": 0.2, "silence": 20, "join_timeout": 20, "linger": 20}
     hub = subprocess.Popen([sys.executable, "-c", HUB_UNDER_LIMIT, "8", "12"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert hub.stdin is not None and hub.stdout is not None
@@ -168,6 +171,7 @@ def test_the_hub_keeps_accepting_after_running_out_of_descriptors(tmp_path: Path
         _wait(lambda: sum(e["event"] == "joined" for e in events) >= 2, 20,
               lambda: f"the member did not rejoin: {[e for e in events if e['event'] != 'bad-line'][-8:]}")
         member.trainer_ended(0)
+        done.touch()
         _wait(lambda: hub.poll() is not None, 40, "the hub did not end")
         reader.join(5)
         final = [e for e in events if e["event"] == "final"][0]

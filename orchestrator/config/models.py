@@ -24,7 +24,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # defer_build: a model's validator is built when it first validates, not at import; a command pays only
+    # for the models it uses (status reads the inventory, never a job)
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 # --------------------------------------------------------------------------- inventory
@@ -77,6 +79,8 @@ class Inventory(Strict):
 
 class ResolvedHost(BaseModel):
     """Everything the connection layer needs for one host (after ~/.ssh/config)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     name: str
     transport: TransportName = "ssh"  # as resolved: openssh, paramiko or local ("ssh": decided when it connects)
@@ -394,6 +398,8 @@ class Job(Strict):
 
 
 class LoadedJob(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     job: Job
     path: Path
 
