@@ -75,7 +75,8 @@ EVENTS = {
     # sync-data, stage-model, launch's restore of outputs (pull makes the same two on the controller)
     "plan": "source, dest, files_total, bytes_total, to_fetch, bytes_to_fetch, skipped -- transfer/sync.py, "
             "transfer/stage.py, before any byte moves",
-    "progress": "bytes, bytes_total, files, files_total, rate (B/s), seconds -- transfer/sync.py, every 0.5 s",
+    "progress": "bytes, bytes_total, files, files_total, rate (B/s), seconds -- transfer/sync.py's Progress "
+                "(sync and stage), every 0.5 s and at the end",
     # follow a run's log (remote/runs/ops.py follow)
     "start": "offset, run, job, pid, ino (DEV:INO or null) -- always the first event of a follow",
     "chunk": "o: the offset of its first byte, t: its text (UTF-8), or d: its bytes (base64) -- log bytes",
