@@ -296,7 +296,8 @@ def run_module(
     python's own options (``-S`` for a module that needs no site-packages). Frames are found
     wherever they start in a line, so a login shell's banner or title escape glued in front of one
     does no harm. Only the result frame is kept in memory; events go to ``on_event`` as they
-    arrive. dfo's node code goes first on stdin when this machine does not know the node holds the
+    arrive, each a dict with a str ``kind`` (remote/_proto.py EVENTS; a frame without one is
+    dropped). dfo's node code goes first on stdin when this machine does not know the node holds the
     parts the module needs; a node that lacks them after all (exit NEED_UPLOAD) gets the call again
     with them, once.
     """
@@ -328,7 +329,7 @@ def run_module(
                 ev = json.loads(frame[1])
             except ValueError:
                 return False
-            if isinstance(ev, dict):
+            if isinstance(ev, dict) and isinstance(ev.get("kind"), str):  # the envelope: remote/_proto.py EVENTS
                 on_event(ev)
         return False
 

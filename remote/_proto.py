@@ -8,7 +8,8 @@ after that line are the operation's payload (code push's files: ``payload()``), 
 A remote module may print anything (banners, warnings, locale noise); the controller only
 reads two kinds of lines:
 
-* events: ``@@DFO-EVENT@@ {json}`` -- progress while the module works (zero or more);
+* events: ``@@DFO-EVENT@@ {json}`` -- progress while the module works (zero or more), each
+  ``{"kind": NAME, ...fields}`` (``emit_event(NAME, **fields)``; the kinds: ``EVENTS`` below);
 * the result: ``@@DFO-RESULT@@ {json}`` -- exactly one, last. It is ``{"ok": true, "data": ...}``
   or ``{"ok": false, "error": {"kind": str, "message": str, ...}}``.
 
@@ -19,6 +20,13 @@ always ends its line.
 
 Every op's request and reply shapes are written down as TypedDicts at the top of the module that
 serves it (remote/runs/ops.py, remote/gang/ops.py, remote/files/push.py, remote/files/pull.py).
+
+The event envelope: every event is one JSON object whose ``kind`` says what it is; the other keys
+are that kind's fields. ``EVENTS`` is the one vocabulary, each kind with its fields and its sender;
+``emit_event`` writes no other (tests/test_node_events.py checks every call in remote/), and the
+controller (orchestrator/agent.py ``run_module``) passes on only events that carry a kind. A kind
+whose payload is an open-ended report nests it under one field (``step``, ``outputs``), so no key
+of the report can clash with ``kind``.
 """
 import json
 import sys
@@ -57,7 +65,40 @@ def _write(line):
     out.flush()
 
 
-def emit_event(obj):
+# kind -> "its fields -- who sends it". docs/architecture-layout.md ("Events") has the same table.
+EVENTS = {
+    # provision (remote/env/)
+    "step": "step: the step's report {name, status, message, seconds, ...} -- env/provision.py, as each step ends",
+    "install": "command: the installer's command line, credentials redacted -- env/installers.py, before it runs",
+    # verify-env --gpu
+    "check": "gpu: index, name: the check, ok: bool, seconds -- gpu/preflight.py, as each check ends",
+    # sync-data, stage-model, launch's restore of outputs (pull makes the same two on the controller)
+    "plan": "source, dest, files_total, bytes_total, to_fetch, bytes_to_fetch, skipped -- transfer/sync.py, "
+            "transfer/stage.py, before any byte moves",
+    "progress": "bytes, bytes_total, files, files_total, rate (B/s), seconds -- transfer/sync.py's Progress "
+                "(sync and stage), every 0.5 s and at the end",
+    # follow a run's log (remote/runs/ops.py follow)
+    "start": "offset, run, job, pid, ino (DEV:INO or null) -- always the first event of a follow",
+    "chunk": "o: the offset of its first byte, t: its text (UTF-8), or d: its bytes (base64) -- log bytes",
+    "hb": "offset -- a heartbeat while the log is quiet",
+    "reset": "offset, why: truncated|replaced, log: its path, ino -- the log was cut or replaced",
+    "opened": "ino -- the log file appeared after the start",
+    "outputs": "outputs: the run's outputs state (remote/runs/outputs.py) -- follow after the run's end, "
+               "ship and stop while the last pass goes on",
+    # exec (remote/exec.py)
+    "stdout": "lines: [str] -- the command's stdout lines, as they come",
+    "stderr": "lines: [str] -- its stderr lines",
+    "tick": "(no fields) -- every 2 s while the command is quiet, so a write fails once the controller is gone",
+}
+
+
+def emit_event(kind, **fields):
+    """Print one event, ``{"kind": kind, **fields}``; ``kind`` must be one of ``EVENTS`` (TypeError
+    otherwise: a programming error, never a frame the controller would drop)."""
+    if kind not in EVENTS:
+        raise TypeError("emit_event: unknown event kind %r (remote/_proto.py EVENTS lists them)" % (kind,))
+    obj = {"kind": kind}
+    obj.update(fields)
     _write(EVENT_PREFIX + json.dumps(obj, separators=(",", ":"), default=str))
 
 

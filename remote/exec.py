@@ -7,12 +7,12 @@ profile's PATH holds),
 from $HOME, with stdin from /dev/null, in a new session (setsid): the command and everything it
 starts form one process group that can be killed as a whole.
 
-Its stdout and stderr go out as events as they come: {"o": [line, ...]} and {"e": [line, ...]}.
-A quiet command still sends {"t": 1} every TICK_S seconds, so that when the controller is gone
-(Ctrl-C, a lost link: sshd closes the pipe) a write fails and the group is killed: nothing the
-call started outlives it. At the timeout the group gets SIGTERM, then SIGKILL GRACE_S later, and
-the status is 124 (as with timeout(1)). A command killed by signal N has status 128+N.
-Result: {"exit": int, "timed_out": bool, "signal": int|null, "seconds": float}.
+Its stdout and stderr go out as events as they come: {"kind": "stdout", "lines": [line, ...]} and
+{"kind": "stderr", "lines": [...]}. A quiet command still sends {"kind": "tick"} every TICK_S
+seconds, so that when the controller is gone (Ctrl-C, a lost link: sshd closes the pipe) a write
+fails and the group is killed: nothing the call started outlives it. At the timeout the group gets
+SIGTERM, then SIGKILL GRACE_S later, and the status is 124 (as with timeout(1)). A command killed
+by signal N has status 128+N. Result: {"exit": int, "timed_out": bool, "signal": int|null, "seconds": float}.
 """
 import os
 import pwd
@@ -103,9 +103,9 @@ def _leave(signum, frame):
     raise SystemExit(128 + signum)  # SIGTERM/SIGHUP to this module: the command's group goes too (below)
 
 
-def send(obj):
+def send(kind, **fields):
     try:
-        emit_event(obj)
+        emit_event(kind, **fields)
     except (OSError, ValueError):
         raise Gone() from None
 
@@ -120,7 +120,8 @@ def run(command, timeout):
                             stderr=subprocess.PIPE, start_new_session=True, env=env,
                             cwd=home if os.path.isdir(home) else "/")
     assert proc.stdout is not None and proc.stderr is not None  # both PIPE
-    streams = {proc.stdout.fileno(): ("o", Lines()), proc.stderr.fileno(): ("e", Lines())}
+    out_fd = proc.stdout.fileno()
+    streams = {out_fd: Lines(), proc.stderr.fileno(): Lines()}
     open_fds = set(streams)
     deadline = start + timeout if timeout else None
     timed_out = False
@@ -147,7 +148,7 @@ def run(command, timeout):
                 ready = []
             for fd in ready:
                 data = os.read(fd, CHUNK)
-                key, lines = streams[fd]
+                lines = streams[fd]
                 if data:
                     lines.feed(data)
                     last_byte = time.monotonic()
@@ -156,10 +157,10 @@ def run(command, timeout):
                     open_fds.discard(fd)
                 got = lines.take()
                 if got:
-                    send({key: got})
+                    send("stdout" if fd == out_fd else "stderr", lines=got)
                     last_sent = time.monotonic()
             if time.monotonic() - last_sent >= TICK_S:
-                send({"t": 1})
+                send("tick")
                 last_sent = time.monotonic()
     except BaseException:
         # the controller is gone (or this module was interrupted): the command's group goes too
@@ -169,11 +170,11 @@ def run(command, timeout):
             time.sleep(0.05)
         kill_group(proc.pid, signal.SIGKILL)
         raise
-    for key, lines in streams.values():
+    for fd, lines in streams.items():
         lines.close()
         got = lines.take()
         if got:
-            send({key: got})
+            send("stdout" if fd == out_fd else "stderr", lines=got)
     code = proc.wait()
     sig = -code if code < 0 else None
     status = TIMED_OUT if timed_out else (128 + sig if sig else code)

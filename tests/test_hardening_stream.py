@@ -55,15 +55,15 @@ def test_frames_are_found_wherever_they_start_in_a_line() -> None:
 
     noise = "\x1b]0;gpu-node\x07\x1b[0m"
     assert split_frame(noise + '@@DFO-RESULT@@ {"ok":true}') == ("result", '{"ok":true}')
-    assert split_frame('junk\r@@DFO-EVENT@@ {"start":0}') == ("event", '{"start":0}')
+    assert split_frame('junk\r@@DFO-EVENT@@ {"kind":"start","offset":0}') == ("event", '{"kind":"start","offset":0}')
     # a log chunk that quotes a result frame is still an event: the earliest prefix wins
-    assert split_frame('@@DFO-EVENT@@ {"t":"@@DFO-RESULT@@ {}"}')[0] == "event"  # type: ignore[index]
+    assert split_frame('@@DFO-EVENT@@ {"kind":"chunk","o":0,"t":"@@DFO-RESULT@@ {}"}')[0] == "event"  # type: ignore[index]
     assert split_frame("plain banner") is None
 
     class Conn:
         name = "node-x"
 
-    out = noise + '@@DFO-EVENT@@ {"start":0}\n@@DFO-RESULT@@ {"ok":true,"data":{"v":1}}\n'
+    out = noise + '@@DFO-EVENT@@ {"kind":"start","offset":0}\n@@DFO-RESULT@@ {"ok":true,"data":{"v":1}}\n'
     assert parse_output(Conn(), Result("node-x", "c", out, "", 0, 0.1), "remote.x") == {"v": 1}  # type: ignore[arg-type]
     glued = noise + '@@DFO-RESULT@@ {"ok":true,"data":2}\n'
     assert parse_output(Conn(), Result("node-x", "c", glued, "", 0, 0.1), "remote.x") == 2  # type: ignore[arg-type]
@@ -155,7 +155,7 @@ def test_follow_without_a_start_event_is_an_error_not_silence() -> None:
     from orchestrator.steps.runs import follow
 
     info = '{"id":"r1","state":"succeeded"}'
-    chunk = '@@DFO-EVENT@@ {"o":0,"t":"hello\\n"}'
+    chunk = '@@DFO-EVENT@@ {"kind":"chunk","o":0,"t":"hello\\n"}'
     for lines in ([chunk, f'@@DFO-RESULT@@ {{"ok":true,"data":{info}}}'],  # chunks, but no start
                   [f'@@DFO-RESULT@@ {{"ok":true,"data":{info}}}']):  # a result, but no stream at all
         got: list[str] = []
@@ -424,7 +424,7 @@ def test_log_reader_notices_truncation_and_replacement(tmp_path: Path) -> None:
         f.truncate(0)
     with open(log, "ab") as f:
         f.write(b"b\n")
-    assert r.changed() == "truncated" and r.reset_event("truncated")["reset"] == 0
+    assert r.changed() == "truncated" and r.reset_fields("truncated")["offset"] == 0
     assert r.read(100) == (0, b"b\n")
     os.rename(log, tmp_path / "log.1")
     assert r.changed() is None  # moved away, no new file yet: keep waiting

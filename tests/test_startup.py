@@ -263,8 +263,8 @@ def test_lazy_console_drives_a_progress_bar_and_plain_output() -> None:
     con = LazyConsole(file=buf, force_terminal=True, width=100, highlight=False)
     with ProgressView(con, enabled=True) as view:
         on = view.callback("node-1")
-        on({"type": "plan", "bytes_to_fetch": 1000, "to_fetch": 2})
-        on({"type": "progress", "bytes": 500, "files": 1, "files_total": 2})
+        on({"kind": "plan", "bytes_to_fetch": 1000, "to_fetch": 2})
+        on({"kind": "progress", "bytes": 500, "files": 1, "files_total": 2})
         time.sleep(0.2)
     assert "node-1" in buf.getvalue() and "1/2 files" in buf.getvalue()
     pipe = io.StringIO()

@@ -82,19 +82,15 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
     out, err = _Kept(), _Kept()
 
     def on_event(ev: dict[str, Any]) -> None:
-        o, e = ev.get("o"), ev.get("e")
-        if isinstance(o, list):
-            lines = [str(x) for x in o]
-            if keep:
-                out.add(lines)
-            if on_out is not None:
-                on_out(lines)
-        if isinstance(e, list):
-            lines = [str(x) for x in e]
-            if keep:
-                err.add(lines)
-            if on_err is not None:
-                on_err(lines)
+        kind, got = ev["kind"], ev.get("lines")  # "stdout", "stderr" or "tick" (remote/_proto.py EVENTS)
+        if kind not in ("stdout", "stderr") or not isinstance(got, list):
+            return
+        lines = [str(x) for x in got]
+        if keep:
+            (out if kind == "stdout" else err).add(lines)
+        show = on_out if kind == "stdout" else on_err
+        if show is not None:
+            show(lines)
 
     start = time.monotonic()
     limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S

@@ -1,14 +1,18 @@
 """Following a run's log over SSH: exact resume, bounded memory, truncation and rotation.
 
 The node side is ``remote/runs/ops.py`` ``follow``: ONE long-lived remote command per connection that
-streams the log's new bytes as framed events (``agent.run_module``'s ``on_event``), in order:
+streams the log's new bytes as framed events (``agent.run_module``'s ``on_event``; their kinds:
+remote/_proto.py EVENTS), in order:
 
-* ``{"start": OFFSET, "run": ID, "job": ..., "pid": ..., "ino": "DEV:INO"|null}``, always first;
-* ``{"o": OFFSET, "t": TEXT}`` (or ``"d": BASE64`` for bytes that are not UTF-8): log bytes at OFFSET;
-* ``{"hb": OFFSET}``: a heartbeat every ``HEARTBEAT_S`` while the log is quiet;
-* ``{"reset": 0, "why": "truncated"|"replaced", "log": PATH, "ino": ...}``: the log got shorter
-  than the offset, or its path names another file (rotation); reading goes on from its start;
-* ``{"ino": ...}``: the log file appeared after the start.
+* ``{"kind": "start", "offset": OFFSET, "run": ID, "job": ..., "pid": ..., "ino": "DEV:INO"|null}``,
+  always first;
+* ``{"kind": "chunk", "o": OFFSET, "t": TEXT}`` (or ``"d": BASE64`` for bytes that are not UTF-8):
+  log bytes at OFFSET;
+* ``{"kind": "hb", "offset": OFFSET}``: a heartbeat every ``HEARTBEAT_S`` while the log is quiet;
+* ``{"kind": "reset", "offset": 0, "why": "truncated"|"replaced", "log": PATH, "ino": ...}``: the log
+  got shorter than the offset, or its path names another file (rotation); reading goes on from its start;
+* ``{"kind": "opened", "ino": ...}``: the log file appeared after the start;
+* ``{"kind": "outputs", ...}``: after the run's end, while its outputs' last pass goes on (not shown here).
 
 The controller holds the offset of the next byte it needs and the identity of the file it belongs
 to. After a dropped connection (or ``STALL_S`` with nothing heard, which is how a dead link shows)
@@ -134,22 +138,25 @@ class _Stream:
         self.started = False  # this call's start event came
 
     def on_event(self, ev: dict[str, Any]) -> None:
-        if "start" in ev:
+        kind = ev["kind"]
+        if kind == "start":
             self.started = True
             self.run = ev.get("run") or self.run
             if self.offset is None:
-                self.offset = int(ev["start"])
+                self.offset = int(ev["offset"])
             self.ino = ev.get("ino") or self.ino
             return
         if not self.started or self.offset is None:
             raise _never_started(self.host, "the node sent log data without its start frame")
-        if "reset" in ev:
+        if kind == "reset":
             self.split.flush()  # the part of a line written before the cut: shown, never held back
-            self.offset, self.ino = int(ev["reset"]), ev.get("ino")
+            self.offset, self.ino = int(ev["offset"]), ev.get("ino")
             self.note(f"{self.host}: log {ev.get('log')} was {ev.get('why')}; following from its new start")
             return
-        if "o" not in ev:
+        if kind == "opened":
             self.ino = ev.get("ino") or self.ino
+            return
+        if kind != "chunk":  # hb (the watchdog already saw it), outputs
             return
         data, at = _chunk(ev), int(ev["o"])
         if at > self.offset:

@@ -74,8 +74,8 @@ def provision(conn: Transport, loaded: LoadedJob, *, clear_triton_cache: bool = 
     req = provision_request(job, conn, clear_triton_cache=clear_triton_cache, install_timeout=install_timeout)
 
     def on_event(ev: dict[str, Any]) -> None:
-        if on_step is not None and ev.get("event") == "step":
-            on_step(redact_obj(ev))  # the node redacts too: credentials in URLs never reach the terminal
+        if on_step is not None and ev["kind"] == "step" and isinstance(ev.get("step"), dict):
+            on_step(redact_obj(ev["step"]))  # the node redacts too: credentials in URLs never reach the terminal
 
     timeout = 600 + install_timeout * (len(job.packages) + 3)
     try:

@@ -177,12 +177,12 @@ def pull(conn: Transport, *, run: str | None, paths: list[str], to: str | None, 
         sink.wanted = wanted
         if wanted:
             if on_event is not None:
-                on_event({"type": "plan", "to_fetch": len(wanted),
+                on_event({"kind": "plan", "to_fetch": len(wanted),
                           "bytes_to_fetch": sum(w["size"] - w["offset"] for w in wanted)})
 
             def progress() -> None:
                 if on_event is not None:
-                    on_event({"type": "progress", "bytes": sink.bytes, "files": sink.done, "files_total": len(wanted)})
+                    on_event({"kind": "progress", "bytes": sink.bytes, "files": sink.done, "files_total": len(wanted)})
 
             try:
                 send(conn, None, {"root": source, "files": [{k: w[k] for k in ("path", "size", "mtime_ns", "offset")}

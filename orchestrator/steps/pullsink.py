@@ -272,7 +272,7 @@ class Sink:
             os.close(self.fd)
         self.fd, self.cur = -1, None
 
-    def _check(self, t: object, i: object) -> str:
+    def _check(self, kind: object, i: object) -> str:
         """The path of file ``i``, if the node may send a record of it now (asked for, in order, not ended)."""
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.wanted):
             self.abort()
@@ -289,7 +289,7 @@ class Sink:
     def announce(self, i: int, n: int) -> None:
         """The node is about to send ``n`` bytes of file ``i``: refused (the transfer stopped, nothing of
         the file kept) before they are read when they would pass the file's listed size."""
-        rel = self._check("d", i)
+        rel = self._check("data", i)
         try:
             self._switch(i)
         except OSError as exc:
@@ -303,17 +303,18 @@ class Sink:
                               hint="the node's file grew while it was sent, or the node is not to be trusted")
 
     def on_event(self, ev: dict[str, Any]) -> None:
-        """One record of the node's stream (steps.pullwire): ``{"t": "d", "i": N, "b": bytes}`` (file
-        bytes, announced first), ``{"t": "end", "i": N, "sha256": hex}`` or ``{"t": "changed", "i": N}``."""
-        t, i = ev.get("t"), ev.get("i")
-        if t not in ("d", "end", "changed"):
+        """One record of the node's stream (steps.pullwire), in the events' envelope (remote/_proto.py):
+        ``{"kind": "data", "i": N, "b": bytes}`` (file bytes, announced first; a ``D`` record),
+        ``{"kind": "end", "i": N, "sha256": hex}`` (``E``) or ``{"kind": "changed", "i": N}`` (``C``)."""
+        kind, i = ev.get("kind"), ev.get("i")
+        if kind not in ("data", "end", "changed"):
             return
-        rel = self._check(t, i)
+        rel = self._check(kind, i)
         assert isinstance(i, int)
         try:
-            if t == "d":
+            if kind == "data":
                 self._data(i, ev)
-            elif t == "end":
+            elif kind == "end":
                 self._end(i, ev)
             else:
                 if self.cur == i:

@@ -125,7 +125,7 @@ class RawReader:
 
     def _body(self, piece: memoryview) -> None:
         if self.kind == b"D":
-            self.sink.on_event({"t": "d", "i": self.index, "b": piece})
+            self.sink.on_event({"kind": "data", "i": self.index, "b": piece})
         else:
             self.digest += piece
 
@@ -133,9 +133,9 @@ class RawReader:
         self.phase = "head"
         if self.kind == b"E":
             digest, self.digest = bytes(self.digest).hex(), bytearray()
-            self.sink.on_event({"t": "end", "i": self.index, "sha256": digest})
+            self.sink.on_event({"kind": "end", "i": self.index, "sha256": digest})
         elif self.kind == b"C":
-            self.sink.on_event({"t": "changed", "i": self.index})
+            self.sink.on_event({"kind": "changed", "i": self.index})
         if self.on_progress is not None:
             self.on_progress()
 

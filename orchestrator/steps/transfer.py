@@ -186,11 +186,11 @@ class ProgressView:
             if self.progress is None:
                 return
             with self._lock:
-                if ev.get("type") == "plan":
+                if ev["kind"] == "plan":
                     self._tasks[host] = self.progress.add_task(
                         host, total=max(int(ev.get("bytes_to_fetch") or 0), 1),
                         files=f"0/{ev.get('to_fetch', 0)} files")
-                elif ev.get("type") == "progress" and host in self._tasks:
+                elif ev["kind"] == "progress" and host in self._tasks:
                     self.progress.update(self._tasks[host], completed=int(ev.get("bytes") or 0),
                                          files=f"{ev.get('files', 0)}/{ev.get('files_total', 0)} files")
         return on_event

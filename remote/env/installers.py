@@ -108,7 +108,7 @@ class Installer:
         temp dir, removed when the installer is done. What is shown has them redacted."""
         shown = self.display(self.argv(reqs, overrides))
         secret = [r for r in reqs if redact(r) != r]
-        emit_event({"event": "install", "command": shown})
+        emit_event("install", command=shown)
         start, tmpdir = time.time(), None
         try:
             argv = self.argv([r for r in reqs if redact(r) == r], overrides)

@@ -1,7 +1,7 @@
 """Node side of ``dfo provision``: the job's venv, its installer, every package line verified.
 
 Runs with the node's python3 (stdlib only). Steps, each check -> act -> verify, each reported
-(emit_event) as ``done``, ``no change``, ``warning`` (done, with an override's warning) or
+(a ``step`` event) as ``done``, ``no change``, ``warning`` (done, with an override's warning) or
 ``failed``:
 
 1. ``workspace``: the workspace, ``<workspace>/.dfo/provision`` and the job's run directories;
@@ -107,10 +107,10 @@ class Provision:
         except StepFailed as exc:
             rep = dict(exc.extra, status="failed", message=exc.message)
             self.steps.append(redact_obj(dict(rep, name=name, seconds=round(time.time() - start, 2))))
-            emit_event(dict(self.steps[-1], event="step"))
+            emit_event("step", step=self.steps[-1])
             raise
         self.steps.append(redact_obj(dict(rep, name=name, seconds=round(time.time() - start, 2))))
-        emit_event(dict(self.steps[-1], event="step"))
+        emit_event("step", step=self.steps[-1])
 
     def private_dir(self) -> str:  # 0700, for files that may hold credentials; cleanup() removes it
         self.tmpdir = self.tmpdir or tempfile.mkdtemp(prefix="dfo-provision-")

@@ -206,13 +206,13 @@ def check_gpu(index: int, arch_list: List[str], fla: bool, fwd_tol: float, bwd_t
                    "message": how if in_build else "WARNING: %s; torch has no kernels for this GPU" % how})
     for name, fn in (("torch_op", lambda: _torch_check(index)), ("triton_kernel", lambda: _triton_check(index))):
         checks.append(_run_check(name, fn))
-        emit_event({"gpu": index, "check": name, "ok": checks[-1]["ok"], "seconds": checks[-1]["seconds"]})
+        emit_event("check", gpu=index, name=name, ok=checks[-1]["ok"], seconds=checks[-1]["seconds"])
     gpu["triton_ok"] = checks[-1]["ok"]
     if fla:
         fla_checks = check_fla_gdn(index, True, fwd_tol, bwd_tol)
         checks.extend(fla_checks)
         for c in fla_checks:
-            emit_event({"gpu": index, "check": c["name"], "ok": c["ok"], "seconds": c["seconds"]})
+            emit_event("check", gpu=index, name=c["name"], ok=c["ok"], seconds=c["seconds"])
         gpu["fla_ok"] = all(c["ok"] for c in fla_checks) and len(fla_checks) == 2
     gpu["seconds"] = round(sum(c["seconds"] for c in checks), 3)
     return gpu

@@ -7,10 +7,11 @@
   the one being read. The old file is read to its end first, then the new one from its start.
 
 Either way reading goes on from the new start, and ``remote.runs.ops.follow`` tells the controller
-with a ``{"reset": 0, "why": ..., "log": PATH, "ino": ...}`` event. The controller sends back the
-identity (``ino``) of the file its offset belongs to when it resumes after a dropped connection, so
-a file replaced while nobody was watching is caught too. (A file truncated and then grown past the
-offset between two looks cannot be told from one that only grew; ``tail -F`` has the same limit.)
+with a ``reset`` event (``{"kind": "reset", "offset": 0, "why": ..., "log": PATH, "ino": ...}``). The
+controller sends back the identity (``ino``) of the file its offset belongs to when it resumes after
+a dropped connection, so a file replaced while nobody was watching is caught too. (A file truncated
+and then grown past the offset between two looks cannot be told from one that only grew; ``tail -F``
+has the same limit.)
 """
 import base64
 import errno
@@ -25,7 +26,8 @@ def ident(st):
     return "%d:%d" % (st.st_dev, st.st_ino)
 
 
-def chunk_event(offset, data):
+def chunk_fields(offset, data):
+    """A ``chunk`` event's fields (and ``read``'s reply): ``o``, and ``t`` (UTF-8 text) or ``d`` (base64)."""
     try:
         return {"o": offset, "t": data.decode("utf-8")}
     except UnicodeDecodeError:
@@ -99,8 +101,9 @@ class LogReader:
         self.open()  # if the new file vanished meanwhile, the caller's next open() finds the next one
         return "replaced"
 
-    def reset_event(self, why):
-        return {"reset": self.offset, "why": why, "log": self.path, "ino": self.ino}
+    def reset_fields(self, why):
+        """A ``reset`` event's fields: reading goes on from ``offset`` (the new file's start)."""
+        return {"offset": self.offset, "why": why, "log": self.path, "ino": self.ino}
 
     def close(self):
         if self.f is not None:

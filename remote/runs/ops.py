@@ -27,7 +27,7 @@ from remote.runs import outputs
 from remote.runs import record as rec
 from remote.runs.logfollow import LogReader, start_offset
 from remote.runs.logfollow import Watch as _Watch
-from remote.runs.logfollow import chunk_event as _chunk_event
+from remote.runs.logfollow import chunk_fields as _chunk_fields
 from remote.runs.metrics import METRICS, last_rows
 
 # --------------------------------------------------------------------------- requests and replies
@@ -97,7 +97,7 @@ class ReadRequest(Where, total=False):
 
 
 class FollowRequest(ReadRequest, total=False):
-    """``follow`` -> events (start, chunks, resets, heartbeats ``hb``, ``outputs``), then RunInfo."""
+    """``follow`` -> events (``start``, ``chunk``, ``reset``, ``opened``, ``hb``, ``outputs``), then RunInfo."""
     ino: Optional[int]
     max_seconds: Optional[float]
     heartbeat: float
@@ -404,7 +404,7 @@ def read(req: ReadRequest):
     except OSError:
         pass
     info = describe(run_id, run_dir, tail=int(req.get("tail") or 0), state=state)
-    info.update(_chunk_event(offset, data))
+    info.update(_chunk_fields(offset, data))
     info["next_offset"] = offset + len(data)
     return info
 
@@ -414,7 +414,8 @@ def follow(req: FollowRequest):
     (``to_end``: until the end the log has now). The events: orchestrator/steps/logstream.py. A log
     truncated or replaced meanwhile is read on from its new start, after a reset event. A run with
     outputs is followed on after its end until its last pass is done or failed (or nobody is left to
-    make it), with an ``{"outputs": ...}`` event on each change; the result carries ``outputs``."""
+    make it), with an ``outputs`` event on each change; the result carries ``outputs``. The events'
+    kinds and fields: remote/_proto.py EVENTS (start, chunk, hb, reset, opened, outputs)."""
     run_id, run_dir = resolve(req)
     log = os.path.join(run_dir, rec.LOG)
     start = start_offset(log, req)
@@ -427,9 +428,9 @@ def follow(req: FollowRequest):
     meta = state[1] or {}
     reader = LogReader(log, start, req.get("ino"))
     why = reader.open()
-    emit_event({"start": start, "run": run_id, "job": meta.get("job"), "pid": meta.get("pid"), "ino": reader.ino})
+    emit_event("start", offset=start, run=run_id, job=meta.get("job"), pid=meta.get("pid"), ino=reader.ino)
     if why:
-        emit_event(reader.reset_event(why))
+        emit_event("reset", **reader.reset_fields(why))
     stop_at = reader.size()
     watch = _Watch(run_dir, log)
     end_path = os.path.join(run_dir, rec.END)
@@ -443,11 +444,14 @@ def follow(req: FollowRequest):
             if reader.f is None:
                 why = reader.open()
                 if reader.f is not None:
-                    emit_event(reader.reset_event(why) if why else {"ino": reader.ino})
+                    if why:
+                        emit_event("reset", **reader.reset_fields(why))
+                    else:
+                        emit_event("opened", ino=reader.ino)
                     watch.watch_file(log)
             at, data = reader.read(rec.CHUNK)
             if data:
-                emit_event(_chunk_event(at, data))
+                emit_event("chunk", **_chunk_fields(at, data))
                 prev_sent, last_sent = last_sent, time.time()
                 if to_end and reader.offset >= stop_at:
                     break
@@ -460,7 +464,7 @@ def follow(req: FollowRequest):
                 break
             why = reader.changed()
             if why:
-                emit_event(reader.reset_event(why))
+                emit_event("reset", **reader.reset_fields(why))
                 watch.watch_file(log)
                 continue
             if ended is not None:  # the run had ended before this read reached the end of the log: drained
@@ -471,7 +475,7 @@ def follow(req: FollowRequest):
                     last_look = True  # once more to the log's end: the shipper's last line is in it now
                     continue
                 if out != seen_out:  # the last pass is still under way: say how it goes, follow the log on
-                    emit_event({"outputs": out})
+                    emit_event("outputs", outputs=out)
                     seen_out, last_sent = out, time.time()
             now = time.time()
             if ended is None and (os.path.exists(end_path) or now - last_check >= check_every):  # inotify wakes
@@ -483,7 +487,7 @@ def follow(req: FollowRequest):
             if deadline is not None and now >= deadline:
                 break
             if now - last_sent >= hb:
-                emit_event({"hb": reader.offset})
+                emit_event("hb", offset=reader.offset)
                 last_sent = now
             watch.wait(max(0.0, min(check_every, hb, deadline - now if deadline is not None else hb)))
     finally:

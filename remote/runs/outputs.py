@@ -75,7 +75,7 @@ def _brief(out):
 
 
 def wait_settled(run_dir, meta, deadline=None, hb=2.0, wake=None):
-    """Until the run's outputs are settled (or ``deadline``): ``{"outputs": brief}`` events on each change,
+    """Until the run's outputs are settled (or ``deadline``): ``outputs`` events on each change,
     heartbeats in between. ``wake(seconds)`` waits for a change (inotify), else a short sleep."""
     last, last_sent = None, time.time()
     while True:
@@ -85,10 +85,10 @@ def wait_settled(run_dir, meta, deadline=None, hb=2.0, wake=None):
         brief = _brief(out)
         now = time.time()
         if brief != last:
-            emit_event({"outputs": brief})
+            emit_event("outputs", outputs=brief)
             last, last_sent = brief, now
         elif now - last_sent >= hb:
-            emit_event({"outputs": brief})
+            emit_event("outputs", outputs=brief)
             last_sent = now
         (wake or time.sleep)(min(hb, 0.5))
 
@@ -136,7 +136,7 @@ def op_ship(req, resolve):
                 return res
             brief = _brief(now_out)
             if brief != last or time.time() - last_sent >= 2.0:
-                emit_event({"outputs": brief})
+                emit_event("outputs", outputs=brief)
                 last, last_sent = brief, time.time()
             time.sleep(0.2)
             alive = shipper_alive(run_dir)[1]

@@ -111,9 +111,9 @@ def copy_local(req):
         if todo:
             check_space(shown, need, req.get("margin_pct") or 0, src)
         progress = Progress(len(todo), need, stop)
-        progress.emit({"type": "plan", "source": "file://" + src, "dest": shown, "files_total": len(files),
-                       "bytes_total": sum(f[1] for f in files), "to_fetch": len(todo), "bytes_to_fetch": need,
-                       "skipped": len(files) - len(todo)})
+        progress.emit("plan", source="file://" + src, dest=shown, files_total=len(files),
+                      bytes_total=sum(f[1] for f in files), to_fetch=len(todo), bytes_to_fetch=need,
+                      skipped=len(files) - len(todo))
         errors = []
 
         def one(item):
@@ -242,9 +242,9 @@ def stage_hf(req):
             check_space(shown, need, req.get("margin_pct") or 0, "hf://" + spec)
             stop = threading.Event()
             progress = Progress(len(todo), need, stop)
-            progress.emit({"type": "plan", "source": source, "dest": shown, "files_total": len(files),
-                           "bytes_total": sum(f[1] for f in files), "to_fetch": len(todo), "bytes_to_fetch": need,
-                           "skipped": len(files) - len(todo)})
+            progress.emit("plan", source=source, dest=shown, files_total=len(files),
+                          bytes_total=sum(f[1] for f in files), to_fetch=len(todo), bytes_to_fetch=need,
+                          skipped=len(files) - len(todo))
             before = _dir_bytes(dest)
             progress.start(hooks=[lambda: setattr(progress, "bytes", max(0, _dir_bytes(dest) - before))])
             try:

@@ -16,8 +16,8 @@ list the prefix (every page) -> compare with DEST/.dfo/manifest.json (size + ETa
 on disk still the one dfo wrote) -> check the destination filesystem has room for what is missing
 (plus ``margin_pct``) before any byte moves -> fetch the rest in parallel (``remote.s3.download``)
 -> with ``delete``, remove the files dfo wrote that the source no longer has (never a file dfo
-did not write, nor one changed on the node since: those are reported as ``kept``). Progress events every 0.5 s:
-``{"type": "progress", "bytes", "bytes_total", "files", "files_total", "rate"}``. The result is
+did not write, nor one changed on the node since: those are reported as ``kept``). Events
+(remote/_proto.py EVENTS): one ``plan``, then ``progress`` every 0.5 s. The result is
 the summary (fetched, skipped, deleted, bytes, seconds, mb_per_s, changed, kept, ...). Failures are
 RemoteError "verify" (S3 said no, a check failed, the disk is full or read-only) or "unreachable"
 (no answer from the endpoint), naming the object and the endpoint; the next run resumes.
@@ -67,12 +67,12 @@ class Progress:
             self.files += 1
             self.verified[kind] = self.verified.get(kind, 0) + 1
 
-    def emit(self, obj):
+    def emit(self, kind, **fields):
         if self.broken:
             return
         try:
             with self._emit_lock:
-                emit_event(obj)
+                emit_event(kind, **fields)
         except (OSError, ValueError):  # the controller is gone (SSH dropped): stop, keep what is done
             self.broken = True
             self.stop.set()
@@ -80,7 +80,7 @@ class Progress:
     def snapshot(self):
         with self.lock:
             dt = max(time.monotonic() - self.t0, 1e-6)
-            return {"type": "progress", "bytes": self.bytes, "bytes_total": self.bytes_total,
+            return {"bytes": self.bytes, "bytes_total": self.bytes_total,
                     "files": self.files, "files_total": self.files_total, "rate": self.bytes / dt,
                     "seconds": round(dt, 3)}
 
@@ -94,14 +94,14 @@ class Progress:
         while not self._done.wait(TICK_S):
             for hook in self._tick_hooks:
                 hook()
-            self.emit(self.snapshot())
+            self.emit("progress", **self.snapshot())
 
     def finish(self):
         if self._ticker is not None:
             self._done.set()
             self._ticker.join()
             self._ticker = None
-        self.emit(self.snapshot())
+        self.emit("progress", **self.snapshot())
 
 
 class Signals:
@@ -295,9 +295,8 @@ def sync(req):
         if req.get("check_space", True) and todo:
             check_space(shown, need, req.get("margin_pct") or 0, source)
         progress = Progress(len(todo), need, stop)
-        progress.emit({"type": "plan", "source": source, "dest": shown, "files_total": len(objs),
-                       "bytes_total": sum(o.size for o in objs), "to_fetch": len(todo), "bytes_to_fetch": need,
-                       "skipped": len(objs) - len(todo)})
+        progress.emit("plan", source=source, dest=shown, files_total=len(objs), bytes_total=sum(o.size for o in objs),
+                      to_fetch=len(todo), bytes_to_fetch=need, skipped=len(objs) - len(todo))
         error, interrupted = None, None
         if todo:
             engine = Engine(client, bucket, manifest, int(req.get("concurrency") or 32),
