@@ -94,7 +94,9 @@ def make_testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 #   tests/allowed_skips.txt does not list (one regular expression per line, with why).
 # ============================================================================================
 import fcntl  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
+import time  # noqa: E402
 import types  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -214,6 +216,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         where = item.nodeid.split("/")[-1]
         if where in SLOW or where.split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+    _heaviest_files_first(items)
+
+
+# Seconds of each test in a whole run on the 2-core machine (setup and teardown included), written by
+# `scripts/test_timeline.py TIMELINE --durations-out tests/durations.json`; a test not in it weighs by its
+# marks (WEIGHT). Only the order of the files depends on these: a stale figure costs time, never a result.
+DURATIONS: dict[str, float] = json.loads((HERE / "durations.json").read_text())
+WEIGHT = {"slow": 40.0, "testbed": 4.0, "unit": 0.2}
+
+
+def _weight(item: pytest.Item) -> float:
+    if item.nodeid in DURATIONS:
+        return DURATIONS[item.nodeid]
+    if item.get_closest_marker("slow") is not None:
+        return WEIGHT["slow"]
+    return WEIGHT["testbed"] if item.get_closest_marker("testbed") is not None else WEIGHT["unit"]
+
+
+def _heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Whole files, heaviest first (each file's tests keep their order). pytest-xdist runs the suite with
+    --dist loadfile --no-loadscope-reorder: a worker takes the next whole file in this order when it is
+    nearly done with its own, so the long files start first and the short ones fill in at the end
+    (longest-first scheduling), and a file's module fixtures (a testbed of its own) start once."""
+    weight: dict[str, float] = {}
+    for item in items:
+        f = item.nodeid.split("::")[0]
+        weight[f] = weight.get(f, 0.0) + _weight(item)
+    first = {f: i for i, f in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
+    items.sort(key=lambda it: (-weight[it.nodeid.split("::")[0]], first[it.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(scope="session")
@@ -253,6 +284,20 @@ def _lanes_lock(folder: Path | None, exclusive: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
             if exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+# -- timeline: DFO_TEST_TIMELINE=FILE writes one JSON line per test (worker, start, end, setup and teardown
+# included) -- how busy each worker was, and what ran last (scripts/test_timeline.py reads it)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    path = os.environ.get("DFO_TEST_TIMELINE")
+    t0 = time.time()
+    yield
+    if path:
+        line = json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), "id": item.nodeid,
+                           "start": round(t0, 3), "end": round(time.time(), 3)})
+        with open(path, "a") as f:  # one write of one short line: whole under O_APPEND
+            f.write(line + "\n")
 
 
 # -- skips --------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def test_probe() -> None:
 
 
 def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("DFO_LANES_", "DFO_STRICT", "PYTEST_"))}
+    mine = ("DFO_LANES_", "DFO_STRICT", "DFO_TEST_TIMELINE", "PYTEST_")  # this session's, not the inner run's
+    e = {k: v for k, v in os.environ.items() if not k.startswith(mine)}
     e.pop("DFO_TESTBED_FORBIDDEN", None)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env={**e, **env})

@@ -57,6 +57,13 @@ from torch import nn
 
 
 # --------------------------------------------------------------------------- data
+def say(line: str) -> None:
+    """One log line in one write. dfo launches the trainer with PYTHONUNBUFFERED=1, where print() writes the
+    text and its newline separately: the ranks of a DDP run, sharing one log, would glue their lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def load_shards(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """All tokens, and the document id of every token, from the shards in ``data_dir``."""
     toks, docs = [], []
@@ -148,7 +155,7 @@ def load_target(model_dir: str, kind: str) -> tuple[Target, dict]:
         sys.exit(f"{model_dir}/model.bin holds {flat.numel()} floats, config.json describes {off}")
     missing = model.load_state_dict(state, strict=(kind != "fla"))
     if kind == "fla":
-        print(f"target: FLA mixing layers initialised from seed ({len(missing.missing_keys)} tensors)", flush=True)
+        say(f"target: FLA mixing layers initialised from seed ({len(missing.missing_keys)} tensors)")
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval(), cfg
@@ -182,7 +189,7 @@ def stop_requested(step: int, rank: int | None = None) -> bool:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         asked = bool(flag.item())
     if asked:
-        print((f"rank {rank}: " if rank is not None else "") + f"stopping at step {step} on SIGTERM", flush=True)
+        say((f"rank {rank}: " if rank is not None else "") + f"stopping at step {step} on SIGTERM")
     return asked
 
 
@@ -202,7 +209,7 @@ def pair_devices(n_pairs: int, device: str) -> list[tuple[torch.device, torch.de
         return [(torch.device("cpu"), torch.device("cpu"))] * n_pairs
     n_gpu = max(1, torch.cuda.device_count())
     if n_gpu < 2 * n_pairs:
-        print(f"pairs: {n_pairs} pairs want {2 * n_pairs} GPUs, {n_gpu} visible: devices are shared", flush=True)
+        say(f"pairs: {n_pairs} pairs want {2 * n_pairs} GPUs, {n_gpu} visible: devices are shared")
     return [(torch.device(f"cuda:{2 * i % n_gpu}"), torch.device(f"cuda:{(2 * i + 1) % n_gpu}"))
             for i in range(n_pairs)]
 
@@ -246,13 +253,13 @@ def train_pairs(a: argparse.Namespace) -> int:
         master.load_state_dict(ck["drafter"])
         opt.load_state_dict(ck["opt"])
         step, total = ck["step"], ck.get("tokens", 0)
-        print(f"resumed from {ckpt_path} at step {step}", flush=True)
+        say(f"resumed from {ckpt_path} at step {step}")
 
     sync_drafters(drafters)
     per_step = a.batch_size * n * a.seq_len
-    print(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
+    say(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
           f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); pairs: "
-          f"{[(str(t), str(d)) for t, d in pairs]}; tokens/step {per_step}", flush=True)
+          f"{[(str(t), str(d)) for t, d in pairs]}; tokens/step {per_step}")
     gen = torch.Generator().manual_seed(a.seed + step)
     it = batches(tokens, doc_ids, a.seq_len, a.batch_size * n, a.block_size, gen)
     offsets = torch.arange(1, a.block_size + 1)
@@ -283,7 +290,7 @@ def train_pairs(a: argparse.Namespace) -> int:
             first.setdefault(str(tdev), i)   # one warmup per target device (shared devices warm once)
         rep = sequential_warmup({dev: (lambda i=i: target_forward(i, x0[: a.batch_size]))
                                  for dev, i in first.items()})
-        print(f"warmup: {json.dumps(rep, default=str)}", flush=True)
+        say(f"warmup: {json.dumps(rep, default=str)}")
     pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="pair")
     t0, seen = time.time(), 0
     while step < a.max_steps:
@@ -305,8 +312,8 @@ def train_pairs(a: argparse.Namespace) -> int:
         total += x.numel()
         if step % a.log_interval == 0 or step == a.max_steps:
             el = time.time() - t0
-            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
-                  f"elapsed {el:.1f}s", flush=True)
+            say(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
+                  f"elapsed {el:.1f}s")
         stopping = stop_requested(step)
         if step % a.save_interval == 0 or step == a.max_steps or stopping:
             save(ckpt_path, {"drafter": master.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -314,7 +321,7 @@ def train_pairs(a: argparse.Namespace) -> int:
         if stopping:
             break
     pool.shutdown()
-    print(f"done: {step} steps, {total} tokens, checkpoint {ckpt_path}", flush=True)
+    say(f"done: {step} steps, {total} tokens, checkpoint {ckpt_path}")
     return 0
 
 
@@ -349,10 +356,10 @@ def train_ddp(a: argparse.Namespace) -> int:
         drafter.load_state_dict(box[0]["drafter"])
         opt.load_state_dict(box[0]["opt"])
         step = box[0]["step"]
-        print(f"rank {rank}: resumed from {ckpt_path} at step {step}", flush=True)
+        say(f"rank {rank}: resumed from {ckpt_path} at step {step}")
     model = DistributedDataParallel(drafter, device_ids=[local] if cuda else None)
-    print(f"ddp: rank {rank} of {world}, local rank {local}, node {os.environ.get('GROUP_RANK', '?')}, "
-          f"device {dev}, backend {backend}; data: {tokens.numel()} tokens", flush=True)
+    say(f"ddp: rank {rank} of {world}, local rank {local}, node {os.environ.get('GROUP_RANK', '?')}, "
+          f"device {dev}, backend {backend}; data: {tokens.numel()} tokens")
     gen = torch.Generator().manual_seed(a.seed + 1000003 * rank + step)  # each rank its own batches
     it = batches(tokens, doc_ids, a.seq_len, a.batch_size, a.block_size, gen)
     offsets = torch.arange(1, a.block_size + 1)
@@ -374,15 +381,15 @@ def train_ddp(a: argparse.Namespace) -> int:
         step += 1
         seen += x.numel() * world
         if a.exit_at_step and step == a.exit_at_step and rank == a.exit_rank:
-            print(f"rank {rank}: exiting with 1 at step {step} (--exit-at-step)", flush=True)
+            say(f"rank {rank}: exiting with 1 at step {step} (--exit-at-step)")
             os._exit(1)
         if step % a.log_interval == 0 or step == a.max_steps:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             mean /= world
             el = time.time() - t0
-            print(f"rank {rank}: step {step} loss {mean.item():.4f} (all-reduced over {world} ranks) "
-                  f"tok/s {seen / max(el, 1e-9):.0f} elapsed {el:.1f}s", flush=True)
+            say(f"rank {rank}: step {step} loss {mean.item():.4f} (all-reduced over {world} ranks) "
+                  f"tok/s {seen / max(el, 1e-9):.0f} elapsed {el:.1f}s")
         stopping = stop_requested(step, rank)
         if rank == 0 and (step % a.save_interval == 0 or step == a.max_steps or stopping):
             save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
@@ -390,7 +397,7 @@ def train_ddp(a: argparse.Namespace) -> int:
             break
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank}: done: {step} steps" + (f", checkpoint {ckpt_path}" if rank == 0 else ""), flush=True)
+    say(f"rank {rank}: done: {step} steps" + (f", checkpoint {ckpt_path}" if rank == 0 else ""))
     return 0
 
 
@@ -449,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         drafter.load_state_dict(ck["drafter"])
         opt.load_state_dict(ck["opt"])
         step = ck["step"]
-        print(f"resumed from {ckpt_path} at step {step}", flush=True)
-    print(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
-          f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); replicas: {devices}", flush=True)
+        say(f"resumed from {ckpt_path} at step {step}")
+    say(f"data: {tokens.numel()} tokens, {int(doc_ids[-1]) + 1} documents; target: {cfg['n_layers']} layers "
+          f"d={cfg['d_model']} vocab={cfg['vocab']} ({a.target}); replicas: {devices}")
     gen = torch.Generator().manual_seed(a.seed + step)
     it = batches(tokens, doc_ids, a.seq_len, a.batch_size * n_dev, a.block_size, gen)
     offsets = torch.arange(1, a.block_size + 1)
@@ -467,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
         x0, _ = next(it)
         rep = sequential_warmup({devices[i]: (lambda i=i: target_forward(i, x0[: a.batch_size])) for i in range(n_dev)})
-        print(f"warmup: {json.dumps(rep, default=str)}", flush=True)
+        say(f"warmup: {json.dumps(rep, default=str)}")
     pool = ThreadPoolExecutor(max_workers=n_dev) if n_dev > 1 else None
     t0, seen = time.time(), 0
     while step < a.max_steps:
@@ -491,14 +498,14 @@ def main(argv: list[str] | None = None) -> int:
         seen += x.numel()
         if step % a.log_interval == 0 or step == a.max_steps:
             el = time.time() - t0
-            print(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
-                  f"elapsed {el:.1f}s", flush=True)
+            say(f"step {step} loss {loss.item():.4f} tok/s {seen / max(el, 1e-9):.0f} lr {a.lr:.1e} "
+                  f"elapsed {el:.1f}s")
         stopping = stop_requested(step)
         if step % a.save_interval == 0 or step == a.max_steps or stopping:
             save(ckpt_path, {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step})
         if stopping:
             break
-    print(f"done: {step} steps, checkpoint {ckpt_path}", flush=True)
+    say(f"done: {step} steps, checkpoint {ckpt_path}")
     return 0
 
 
