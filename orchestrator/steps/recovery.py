@@ -447,12 +447,13 @@ class Watcher:
     def _torchrun_worker_signal(self, hosts: list[str], run_id: str, results: dict[str, runs.RunInfo | None],
                                 v: Verdict) -> Verdict:
         """torchrun exited 1: was the root cause a worker killed by a signal (the OOM killer's SIGKILL)? The
-        failure report at the end of a failed node's log says so (the first failure's node first: the
-        other nodes' workers may have failed on their own a moment before, when the collective broke);
-        then it is a signal, as for a trainer run without torchrun. Anything else stays as it was."""
+        failure report at the end of a node's log says so: the first failure's node first, then the other
+        nodes that ended (their workers fail on their own when the collective breaks, and may be reported
+        first; or the gang watch stopped the node whose worker was killed before its torchrun ended).
+        Then it is a signal, as for a trainer run without torchrun. Anything else stays as it was."""
         cause = _cause(hosts, {h: r for h, r in results.items() if r is not None})
-        failed = [h for h, r in results.items() if r is not None and r.state == "failed"]
-        order = ([cause[0]] if cause else []) + [h for h in failed if not cause or h != cause[0]]
+        ended = [h for st in ("failed", "stopped") for h, r in results.items() if r is not None and r.state == st]
+        order = ([cause[0]] if cause else []) + [h for h in ended if not cause or h != cause[0]]
         for host in order:
             code = self._torchrun_root_cause(host, run_id)
             if code is None or code >= 0:
