@@ -3,7 +3,8 @@ relaunch a trainer killed by a signal, leave a trainer that exits 1 alone, and a
 middle of a recovery finishes it when started again. Each test stops by itself (timeouts everywhere).
 
 The trainer is the stdlib stand-in of tests/test_node_dies.py (its state after N steps is known, so a
-checkpoint proves that no step was lost or done twice), plus ``--fail-at``: exit 1 at that step."""
+checkpoint proves that no step was lost or done twice), plus ``--fail-at``: exit 1 at that step; and once
+the demo trainer itself, in its DDP mode under torchrun on CPU torch (the demo's wheels)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
+from orchestrator.demo.data import write_data, write_model
+from orchestrator.demo.setup import DEFAULT_WHEELS
 from orchestrator.testbed import Testbed
+from orchestrator.testbed import system as tsys
 from tests._cli import dfo, dfo_popen
-from tests.test_node_dies import STAND_IN, stand_in_state
+from tests.test_node_dies import STAND_IN, _upload_wheels, ckpt_step, stand_in_state
 
 pytestmark = pytest.mark.testbed
 
@@ -161,10 +165,10 @@ class Bed:
 def bed_factory(make_testbed: MakeTestbed, tmp_path: Path) -> Any:
     beds: list[Bed] = []
 
-    def make(tb: Testbed, name: str, **kw: Any) -> Bed:
+    def make(tb: Testbed, name: str, cls: type[Bed] = Bed, **kw: Any) -> Bed:
         d = tmp_path / name
         d.mkdir()
-        b = Bed(tb, d, name, **kw)
+        b = cls(tb, d, name, **kw)
         beds.append(b)
         return b
 
@@ -435,3 +439,146 @@ def test_a_gang_restarts_on_sigkill_and_not_on_exit_1(make_testbed: MakeTestbed,
     assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
     r2 = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-stand-in && echo venv")
     assert r2.stdout.split() == ["0"], r2.stdout
+
+
+# --------------------------------------------------------------------------- the demo trainer: DDP under torchrun
+DDP_JOB = Path(__file__).resolve().parents[1] / "jobs" / "demo-ddp.yaml"
+DDP_STEPS = 200  # 0.05-0.1 s a step on 2 loaded cores: the run outlives a loss, a recovery, a kill
+DDP_SAVE = 10
+
+
+class DdpBed(Bed):
+    """The demo trainer (orchestrator/demo/job/train.py) as a 2-node torchrun gang on CPU torch, from
+    jobs/demo-ddp.yaml, with outputs, spares and restarts: rank 0 saves ckpt-last.pt (torch.save)."""
+
+    def __init__(self, tb: Testbed, tmp: Path, name: str, **kw: Any) -> None:
+        super().__init__(tb, tmp, name, **kw)
+        assert tb.s3 is not None
+        self.key = f"runs/{name}/ckpt-last.pt"
+        self.ckpt = f"/workspace/checkpoints/{name}/ckpt-last.pt"
+        src = tmp / "source"
+        write_model(src / "model")
+        write_data(src / "data", shards=2, tokens_per_shard=20000)
+        tb.s3.put_tree(BUCKET, f"{name}/model", src / "model")
+        tb.s3.put_tree(BUCKET, f"{name}/data", src / "data")
+        stand_in = yaml.safe_load(self.job.read_text())
+        doc = yaml.safe_load(DDP_JOB.read_text())
+        doc.update(name=name, s3=stand_in["s3"], outputs=dict(stand_in["outputs"], include=["ckpt-*.pt"]),
+                   model={"source": f"s3://{BUCKET}/{name}/model/", "dest": f"/dev/shm/{name}-target"},
+                   data={"source": f"s3://{BUCKET}/{name}/data/", "dest": f"/workspace/{name}-data"},
+                   code={"source": str((DDP_JOB.parent / doc["code"]["source"]).resolve())})
+        doc["run"].update(nodes=2, workdir=f"/workspace/{name}", stop_grace=5, spares=kw["spares"],
+                          restarts=kw["restarts"], command=(
+                              f"train.py --target-model {{model.dest}} --data-dir {{data.dest}} --output-dir "
+                              f"/workspace/checkpoints/{name} --max-steps {DDP_STEPS} --log-interval {DDP_SAVE} "
+                              f"--save-interval {DDP_SAVE} --batch-size 4 --seq-len 64 --device cpu"))
+        self.job.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def shipped_step(self) -> int:
+        data = self.obj(self.key)
+        return ckpt_step(data) if data else 0
+
+
+def _torchrun_worker(tb: Testbed, node: Any) -> int:
+    """The pid of the trainer process torchrun started on a namespace node (not torchrun itself)."""
+    found = [p for p in tb.node_pids(node) if "train.py" in tsys.cmdline(p) and "torch.distributed.run" not in
+             tsys.cmdline(p)]
+    assert len(found) == 1, [tsys.cmdline(p) for p in tb.node_pids(node)]
+    return found[0]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
+def test_a_ddp_gang_loses_a_node_then_a_worker_and_goes_on(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """The issue's story with the demo trainer itself: a 2-node gang (DDP over gloo under torchrun, CPU
+    torch from the demo's wheels) plus one spare, under `dfo up --watch`.
+    1. Rank 0's node vanishes (it hosts the c10d store): the watcher stops the survivor, brings the spare
+       to parity (a full provision: torch from the wheels) and relaunches the gang with a fresh rendezvous,
+       the spare in the lost node's place; both ranks resume from the last shipped checkpoint.
+    2. A worker is killed with SIGKILL (what the OOM killer does): torchrun exits 1, its report names the
+       signal, and the watcher relaunches the gang on the same nodes.
+    Training finishes; the final checkpoint in S3 is the trainer's last one; status tells the story."""
+    tb = make_testbed(nodes=3, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a node has no namespace to vanish")
+    a, b, spare = tb.nodes
+    for n in tb.nodes:
+        _upload_wheels(tb, n, DEFAULT_WHEELS)
+    bed: Bed = bed_factory(tb, "ddp-lost", cls=DdpBed, spares=[spare.name],
+                           restarts={"max": 2, "backoff": 0, "lost_after": 4})
+    up = bed.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bed.job.name, "--watch")
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= 2 * DDP_SAVE, 600, [up])
+    before = bed.shipped_step()
+    assert before < DDP_STEPS, "the run ended before its node could be lost: raise DDP_STEPS"
+    tb.vanish(a)
+    resumed = bed.wait("generation 2 resumed", lambda: (bed.record().get("restarts") or [{}])[0].get("resumed_step"),
+                       400, [up])
+    # no step lost beyond one outputs interval: it resumed at the last shipped checkpoint, or later
+    assert before <= resumed < DDP_STEPS, (resumed, before)
+    bed.wait("generation 2 shipped a checkpoint", lambda: bed.shipped_step() > resumed, 120, [up])
+    before_kill = bed.shipped_step()
+    assert before_kill < DDP_STEPS, "the run ended before its worker could be killed: raise DDP_STEPS"
+    os.kill(_torchrun_worker(tb, spare), signal.SIGKILL)
+    code = bed.finish(up, 400)
+    out = bed.out("up.log")
+    assert code == 0, out[-4000:]
+    rec = bed.record()
+    assert rec["state"] == "succeeded" and rec["generation"] == 3, rec
+    assert rec["hosts"] == [spare.name, b.name] and rec["lost"] == [a.name], rec  # the spare in the lost one's place
+    r1, r2 = rec["restarts"]
+    assert (r1["why"], r1["lost_host"], r1["spare"], r1["resumed_step"]) == ("lost", a.name, spare.name, resumed), r1
+    assert r2["why"] == "signal" and r2["spare"] is None and "SIGKILL (a worker of torchrun" in r2["detail"], r2
+    assert r2["resumed_step"] is not None and before_kill <= r2["resumed_step"] < DDP_STEPS, (r2, before_kill)
+    assert f"bringing spare {spare.name} to parity" in out and f"{spare.name} took {a.name}'s place" in out, out[-4000:]
+    # both ranks of the last generation resumed from the last checkpoint, and finished. Torchrun's RANK 0,
+    # the one that saves, is not dfo's rank 0: its c10d rendezvous numbers the nodes in the order of their
+    # --local-addr strings, so after the recovery the writer may be the survivor (restore put the last
+    # checkpoint on each node whose outputs.path was empty)
+    log = bed.run("tail", "-H", f"{spare.name},{b.name}", rec["run"], "-n", "+1", timeout=120)
+    assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
+    for host in (spare.name, b.name):
+        assert re.search(rf"^\[{host}\] rank [01]: resumed from {bed.ckpt} at step {r2['resumed_step']}$", log.stdout,
+                         re.M), log.stdout[-3000:]
+    (writer,) = re.findall(rf"^\[(\S+)\] rank 0: done: {DDP_STEPS} steps, checkpoint {bed.ckpt}$", log.stdout, re.M)
+    # the final checkpoint in S3 is the trainer's last one, byte for byte, at the last step
+    final = bed.obj(bed.key)
+    assert final is not None and ckpt_step(final) == DDP_STEPS
+    assert hashlib.sha256(final).hexdigest() == bed.node_sha(writer)
+    # status tells the story (with -j it reads the resumed steps from the generation record)
+    st = bed.run("status", "-H", f"{spare.name},{b.name}", "-j", bed.job.name, rec["run"])
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert f"generation 3 of run {rec['lineage']}; restarts: 2" in st.stdout, st.stdout
+    assert f"{a.name} lost, {spare.name} took its place, resumed at step {resumed}" in st.stdout, st.stdout
+    assert f"{spare.name}: trainer killed by SIGKILL" in st.stdout, st.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_with_no_healthy_spare_fails_after_a_bounded_wait(make_testbed: MakeTestbed,
+                                                                     bed_factory: Any) -> None:
+    """The only spare does not answer (its namespace is gone too): the watcher looks again for
+    DFO_WATCH_SPARE_WAIT_S (600 s by default; 6 s here), saying so, then the run fails (exit 5). The record
+    stays consistent: failed, fenced at generation 2 (the lost node uploads nothing more if it comes back),
+    no restart recorded, the last checkpoint left in S3; a watcher started again ends at once."""
+    tb = make_testbed(nodes=2, s3=True)
+    if not tb.isolated:
+        pytest.skip("loopback fallback: a node has no namespace to vanish")
+    a, spare = tb.nodes
+    bed: Bed = bed_factory(tb, "no-spare", spares=[spare.name], restarts={"max": 2, "backoff": 0, "lost_after": 4})
+    bed.env["DFO_WATCH_SPARE_WAIT_S"] = "6"
+    tb.vanish(spare)
+    up = bed.start("up.log", "up", "-H", a.name, "-j", bed.job.name, "--watch")
+    bed.wait("a checkpoint shipped", lambda: bed.shipped_step() >= SAVE, 240, [up])
+    tb.vanish(a)
+    before = bed.shipped_step()
+    code = bed.finish(up, 240)
+    out = bed.out("up.log")
+    assert code == 5, out[-4000:]
+    assert f"watch: no healthy spare for {a.name} yet ({spare.name} not answering)" in out, out[-4000:]
+    assert f"{a.name} lost and no healthy spare within 6s ({spare.name} not answering): the run fails" in out, out
+    rec = bed.record()
+    assert rec["state"] == "failed" and rec["generation"] == 2 and rec["restarts"] == [], rec
+    assert rec["lost"] == [a.name] and rec["recovery"]["phase"] == "gave-up" and rec["recovery"]["spare"] is None, rec
+    assert bed.shipped_step() >= before  # what the lost node shipped stays for a relaunch
+    again = bed.run("watch", "-H", a.name, "-j", bed.job.name, timeout=60)
+    assert again.returncode == 5, again.stdout + again.stderr
+    assert "failed at generation 2 after 0 restart(s)" in again.stdout + again.stderr, again.stdout + again.stderr

@@ -9,7 +9,7 @@ import yaml
 
 from orchestrator.config.models import RestartsConfig, load_job
 from orchestrator.errors import ConfigError
-from orchestrator.steps.recovery import backoff_s, classify
+from orchestrator.steps.recovery import backoff_s, classify, torchrun_root_cause
 from orchestrator.steps.runs import RunInfo
 
 OUT = {"dest": "s3://b/runs/{name}/"}
@@ -104,3 +104,41 @@ def test_a_run_stopped_by_hand_is_not_restarted() -> None:
 def test_backoff_doubles() -> None:
     p = RestartsConfig(backoff=30)
     assert [backoff_s(p, n) for n in range(3)] == [30, 60, 120]
+
+
+# torchrun's report when one of its workers was SIGKILLed (torch 2.13, CPU, 2 workers; the other was ended
+# by torchrun itself): torchrun exits 1, the root cause names the signal
+TORCHRUN_REPORT = """\
+rank 0: step 20 loss 5.4101 (all-reduced over 2 ranks) tok/s 8101 elapsed 1.6s
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+==========================================================
+train.py FAILED
+----------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_07:26:11
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 29418)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 29418
+----------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_07:26:11
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 29417)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 29417
+==========================================================
+[dfo outputs] pass 9: shipped 0 files (0 B) to s3://b/runs/j/ in 0.0 s
+"""
+
+
+def test_torchrun_root_cause_is_the_signal_that_killed_a_worker() -> None:
+    lines = TORCHRUN_REPORT.splitlines()
+    assert torchrun_root_cause(lines) == -9  # the root cause, not the SIGTERM listed first
+    assert torchrun_root_cause([ln.replace("-9 (pid", "1 (pid") for ln in lines]) == 1  # a worker's own exit 1
+    assert torchrun_root_cause(lines[:1]) is None  # no report: nothing to say
+    assert torchrun_root_cause(lines[:15]) is None  # a report cut before its root cause

@@ -24,7 +24,7 @@ from ..cli_common import (
 )
 from ..config.models import LoadedJob, RunConfig, load_job
 from ..diagnosis import render as render_diagnoses
-from ..errors import UsageError
+from ..errors import DfoError, UsageError
 from ..steps import fleet
 from ..steps import runs as steps
 from ..steps.gang import check_hosts, is_gang
@@ -321,6 +321,8 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
 
     with sess:
         outcomes = sess.each(one)
+    if loaded is not None:
+        _resumed_steps(loaded, [r for o in outcomes for r in (o.value or [])])
     gang = gang_summary(outcomes) if run is not None else None
     to_json = lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump()  # noqa: E731
     if gang is None:
@@ -333,6 +335,28 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
         print_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=True, job_path=job_path))
     console.print(gang_line(gang), highlight=False, soft_wrap=True)
     return exit_code_of(outcomes)
+
+
+def _resumed_steps(loaded: LoadedJob, runs: list[steps.RunInfo]) -> None:
+    """A run's meta.json holds its restarts as they stood at its launch, before the trainer said where it
+    resumed; the watcher notes that step in the generation record since: with -j, status shows it from
+    there (one GET; an unreadable record leaves the runs as the nodes told them)."""
+    todo = [r for r in runs if r.generation and any(x.get("resumed_step") is None
+                                                    for x in r.generation.get("restarts") or [])]
+    if not todo or loaded.job.run is None or not loaded.job.run.recovers:
+        return
+    from ..steps.generation import place  # S3's client: only for a run that recovers
+
+    try:
+        doc, _ = place(loaded).read()
+    except DfoError:
+        return
+    noted = {x.get("generation"): x.get("resumed_step") for x in (doc or {}).get("restarts") or []}
+    for r in todo:
+        g = r.generation or {}
+        if doc and g.get("lineage") == doc.get("lineage"):
+            g["restarts"] = [x if x.get("resumed_step") is not None else dict(x, resumed_step=noted.get(
+                x.get("generation"))) for x in g.get("restarts") or []]
 
 
 # --------------------------------------------------------------------------- stop

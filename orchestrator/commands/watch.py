@@ -36,11 +36,14 @@ def watch_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_p
     found in its generation record, beside outputs.dest in S3 (RUN, when given, must be that
     run: its first id, or its current generation's). A node is lost when it has not answered for
     run.restarts.lost_after seconds (60), or when its gang watch says so; a trainer killed by a
-    signal, or ended with an exit code listed in run.restarts.on, is restarted too. A trainer that
-    fails on its own (exit 1) is not: the run fails, and the spares are left alone. A restart
-    stops the old generation wherever it still runs, takes the first healthy spare in the lost
-    node's rank (provision, stage-model, sync-data, the gang preflight), and launches a new
-    generation that restores the last shipped checkpoint. run.restarts.max and backoff hold.
+    signal, or ended with an exit code listed in run.restarts.on, is restarted too (under
+    launcher: torchrun, a worker killed by a signal counts: torchrun's failure report in the log
+    says so). A trainer that fails on its own (exit 1) is not: the run fails, and the spares are
+    left alone. A restart stops the old generation wherever it still runs, takes the first healthy
+    spare in the lost node's rank (provision, stage-model, sync-data, the gang preflight), and
+    launches a new generation that restores the last shipped checkpoint. run.restarts.max and
+    backoff hold. With no healthy spare, it looks again every 10 s for 10 minutes
+    (DFO_WATCH_SPARE_WAIT_S), saying so each minute, then the run fails (exit 5).
 
     The watcher keeps nothing that matters in memory: killed in the middle of a recovery and
     started again, it finishes that recovery. Two watchers of one run: the second refuses.
@@ -49,7 +52,7 @@ def watch_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_p
     \b
     Exit codes: 0 the run succeeded; 2 bad job file, no generation record, or another watcher
     holds the run; 3 the run succeeded but its last outputs pass failed, or S3 could not be read;
-    5 the run failed for good (or was stopped by hand); 130 Ctrl-C.
+    5 the run failed for good (or was stopped by hand, or no spare came); 130 Ctrl-C.
     """
     return watch(ctx, hosts, job_path, run)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -48,7 +49,14 @@ PROBE_S = 20.0  # a node that has not answered a look within this long is unreac
 LEASE_S = 30.0  # a watcher that has not renewed its lease this long is gone: another may take over
 STOP_WAIT_S = 60.0  # how long the old generation's last outputs pass is waited for
 S3_PATIENCE_S = 300.0  # S3 unreadable this long: the watcher gives up (exit 3); never a restart for it
+# a lost node with no healthy spare: the watcher looks again every 10 s for this long, then the run fails (exit 5)
+SPARE_WAIT_S = float(os.environ.get("DFO_WATCH_SPARE_WAIT_S") or 600.0)
+SPARE_SAY_S = 60.0  # how often a watcher still waiting for a spare says so
 RESUMED = re.compile(r"resum\w*\b.*?\bstep[ =:]*(\d+)", re.I)
+# torchrun exits 1 whatever ended a worker; its failure report names the cause: "Root Cause (first observed
+# failure):" then "exitcode  : -9 (pid: 123)" for a worker killed by SIGKILL
+TORCHRUN_ROOT = re.compile(r"Root Cause \(first observed failure\)")
+TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
 
 Say = Callable[[str], None]
 
@@ -154,6 +162,21 @@ def classify(hosts: list[str], results: dict[str, runs.RunInfo | None], unreacha
                    "not restarted (list the exit code in run.restarts.on to restart on it)")
 
 
+def torchrun_root_cause(lines: list[str]) -> int | None:
+    """The exit code of the root cause in the last failure report torchrun printed in ``lines`` (negative:
+    the worker was killed by that signal); None when there is none."""
+    code: int | None = None
+    in_root = False
+    for text in lines:
+        if TORCHRUN_ROOT.search(text):
+            in_root, code = True, None
+            continue
+        m = TORCHRUN_EXITCODE.match(text)
+        if m and in_root:
+            code, in_root = int(m.group(1)), False
+    return code
+
+
 def backoff_s(policy: RestartsConfig, done: int) -> float:
     """Seconds before restart number ``done`` + 1: backoff, doubled each time."""
     return float(policy.backoff) * (2 ** done)
@@ -194,6 +217,7 @@ class Watcher:
         self.probes: dict[str, Probe] = {}
         self.lease_etag: str | None = None
         self.lease_done, self.lease_lost = threading.Event(), threading.Event()
+        self.no_spare_said = -SPARE_SAY_S  # when this watcher last said it waits for a spare (monotonic)
 
     # ------------------------------------------------------------------ the record
     def _read(self) -> tuple[dict[str, Any], str | None]:
@@ -378,6 +402,8 @@ class Watcher:
         now = time.monotonic()
         unreachable = {h: now - t for h, t in self.since.items()}
         v = classify(hosts, results, unreachable, self.policy)
+        if v.kind == "fail" and v.why == "exit 1" and self.job.run is not None and self.job.run.launcher == "torchrun":
+            v = self._torchrun_worker_signal(hosts, str(doc.get("run")), results, v)
         self._note_resumed(doc, etag, results)
         if v.kind == "ok":
             return None
@@ -418,6 +444,40 @@ class Watcher:
                  + (f" after {wait:.0f}s (backoff)" if wait else ""))
         return None
 
+    def _torchrun_worker_signal(self, hosts: list[str], run_id: str, results: dict[str, runs.RunInfo | None],
+                                v: Verdict) -> Verdict:
+        """torchrun exited 1: was the root cause a worker killed by a signal (the OOM killer's SIGKILL)? The
+        failure report at the end of a node's log says so: the first failure's node first, then the other
+        nodes that ended (their workers fail on their own when the collective breaks, and may be reported
+        first; or the gang watch stopped the node whose worker was killed before its torchrun ended).
+        Then it is a signal, as for a trainer run without torchrun. Anything else stays as it was."""
+        cause = _cause(hosts, {h: r for h, r in results.items() if r is not None})
+        ended = [h for st in ("failed", "stopped") for h, r in results.items() if r is not None and r.state == st]
+        order = ([cause[0]] if cause else []) + [h for h in ended if not cause or h != cause[0]]
+        for host in order:
+            code = self._torchrun_root_cause(host, run_id)
+            if code is None or code >= 0:
+                continue
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            text = f"{name} (a worker of torchrun, which exited 1)"
+            if "signal" in self.policy.on:
+                return Verdict("restart", "signal", None, f"{host}: trainer killed by {text}")
+            return Verdict("fail", "signal", None, f"{host}: trainer killed by {text}; restarts.on has no 'signal'")
+        return v
+
+    def _torchrun_root_cause(self, host: str, run_id: str) -> int | None:
+        """torchrun_root_cause of the run's log (its last 400 lines) on ``host``; None when it did not answer."""
+        lines: list[str] = []
+        try:
+            with self.session([host]) as sess:
+                runs.read_lines(sess.conn(host), self._ws(sess, host), run_id, 400, lines.append, job=self.job.name)
+        except DfoError:
+            return None
+        return torchrun_root_cause(lines)
+
     def _last_passes(self, hosts: list[str], run_id: str, results: dict[str, runs.RunInfo | None]
                      ) -> dict[str, runs.RunInfo | None]:
         """The runs once their last outputs pass has finished (or STOP_WAIT_S passed): the end is told
@@ -457,10 +517,7 @@ class Watcher:
             if rec.get("lost_host"):
                 spare = rec.get("spare") or self._pick_spare(doc, hosts)
                 if spare is None:
-                    self.say("watch: no healthy spare yet (" + (", ".join(self.spares) or "run.spares is empty")
-                             + f"); looking again in {max(self.poll_s, 10):.0f}s")
-                    time.sleep(max(self.poll_s, 10))
-                    return doc, etag
+                    return self._no_spare(doc, rec, etag, hosts)
                 if rec.get("spare") != spare:  # recorded before any work is done on it
                     return self._advance(doc, dict(rec, spare=spare), etag)
                 hosts[hosts.index(rec["lost_host"])] = spare
@@ -472,6 +529,44 @@ class Watcher:
         elif phase == "launch":
             return self._launch(doc, rec, etag)
         return self._advance(doc, rec, etag)
+
+    def _no_spare(self, doc: dict[str, Any], rec: dict[str, Any], etag: str | None, hosts: list[str]
+                  ) -> tuple[dict[str, Any], str | None]:
+        """No spare answered: look again every 10 s (a spare may come back), saying so every SPARE_SAY_S,
+        for SPARE_WAIT_S from the first miss (recorded: a restarted watcher does not wait anew); then, or
+        at once when no spare is left to try (each in the gang, lost, or set aside after a failed parity),
+        the run fails. The record stays at the fenced generation: the old nodes upload nothing more."""
+        lost = rec.get("lost_host")
+        out = {s: "in the gang" for s in hosts}
+        out.update({s: "lost" for s in doc.get("lost") or []})
+        out.update({s: "set aside after a failed parity" for s in doc.get("bad_spares") or []})
+        left = [s for s in self.spares if s not in out]
+        since = float(rec.get("no_spare_since") or 0)
+        if left and (not since or time.time() - since < SPARE_WAIT_S):
+            if not since:
+                since = time.time()
+                doc, etag = self._advance(doc, dict(rec, no_spare_since=since), etag)
+            now = time.monotonic()
+            if now - self.no_spare_said >= SPARE_SAY_S:
+                self.no_spare_said = now
+                self.say(f"watch: no healthy spare for {lost} yet ({', '.join(left)} not answering); looking "
+                         f"again every {max(self.poll_s, 10):.0f}s, for {SPARE_WAIT_S - (time.time() - since):.0f}s "
+                         "more, then the run fails")
+            time.sleep(max(self.poll_s, 10))
+            return doc, etag
+        if left:
+            why = f"{lost} lost and no healthy spare within {SPARE_WAIT_S:.0f}s ({', '.join(left)} not answering)"
+        elif self.spares:
+            why = f"{lost} lost and no spare left to try (" + ", ".join(f"{s}: {out[s]}" for s in self.spares) + ")"
+        else:
+            why = f"{lost} lost and run.spares is empty"
+        dest = f"s3://{self.place.bucket}/{self.place.prefix}"
+        self.say(f"watch: {why}: the run fails; its last checkpoint stays in {dest} (dfo up on healthy hosts "
+                 "resumes from it)")
+        try:
+            return self._write(dict(doc, state="failed", why=why, recovery=dict(rec, phase="gave-up")), etag)
+        except gen.Conflict:
+            return self._read()
 
     def _advance(self, doc: dict[str, Any], rec: dict[str, Any], etag: str | None
                  ) -> tuple[dict[str, Any], str | None]:
