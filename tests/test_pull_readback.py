@@ -39,11 +39,11 @@ def wait_read_back(sink: Sink, upto: int) -> None:
 def send(sink: Sink, data: bytes, piece: int = 1 << 16) -> None:
     for at in range(0, len(data), piece):
         sink.announce(0, len(data[at:at + piece]))
-        sink.on_event({"t": "d", "i": 0, "b": data[at:at + piece]})
+        sink.on_event({"kind": "data", "i": 0, "b": data[at:at + piece]})
 
 
 def end(sink: Sink, data: bytes) -> None:
-    sink.on_event({"t": "end", "i": 0, "sha256": hashlib.sha256(data).hexdigest()})
+    sink.on_event({"kind": "end", "i": 0, "sha256": hashlib.sha256(data).hexdigest()})
 
 
 def test_a_clean_file_is_placed_with_todays_mtime(tmp_path: Path) -> None:
