@@ -61,8 +61,14 @@ def test_a_clean_file_is_placed_with_todays_mtime(tmp_path: Path) -> None:
     assert abs(got.stat().st_mtime - time.time()) < 3600  # not the mark the partial file carried
 
 
+@pytest.mark.parametrize("fs", ["keeps the mark", "stores another mtime"])
 @pytest.mark.parametrize("when", ["after the whole file was read back", "half-way, behind the read-back"])
-def test_bytes_spoiled_after_the_read_back_passed_them_are_caught(tmp_path: Path, when: str) -> None:
+def test_bytes_spoiled_after_the_read_back_passed_them_are_caught(tmp_path: Path, when: str, fs: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the file system does not keep the mtime mark as set (simulated: the mark is not set), the
+    whole file is read again after its last byte, and the spoiled bytes are caught that way."""
+    if fs == "stores another mtime":
+        monkeypatch.setattr(Sink, "_set_mark", lambda self: os.fstat(self.fd).st_mtime_ns)
     data = os.urandom(3 << 20)
     d, sink = sink_for(tmp_path, len(data))
     try:

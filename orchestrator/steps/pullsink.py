@@ -17,9 +17,10 @@
   is set to a mark (``MARK_NS``) after each write of dfo's; a write by anything else sets it to the
   time of day. Before each write of dfo's, and after the read-back has ended, the mtime must still be
   the mark, else the file is not kept (exit 3, as a wrong sha256). The placed file's mtime is the time
-  it was placed. (Not caught, as before: a write in the microseconds between one of dfo's writes and
-  its mark, a writer that sets the mtime back itself, writes through a shared mmap that the kernel has
-  not yet stamped.)
+  it was placed. On a file system that does not keep the mark as set (it stores another mtime), the
+  whole file is read again after its last byte instead, as before the read-back thread. (Not caught:
+  a write in the microseconds between one of dfo's writes and its mark, a writer that sets the mtime
+  back itself, writes through a shared mmap that the kernel has not yet stamped.)
 * An OSError here (disk full, permission, a file size limit) is a ``LocalError`` naming the path
   (exit 3), never taken for the connection's failure.
 """
@@ -296,6 +297,19 @@ class ReadBack:
         self.thread.join()
 
 
+def _read_whole(fd: int) -> tuple[int, str]:
+    """(size, sha256) of the file at ``fd``, read from its start to its end now."""
+    h = hashlib.sha256()
+    pos = 0
+    buf = memoryview(bytearray(READ_BACK))
+    while True:
+        got = _pread_into(fd, buf, pos)
+        if not got:
+            return pos, h.hexdigest()
+        h.update(buf[:got])
+        pos += got
+
+
 def _pread_into(fd: int, view: memoryview, pos: int) -> int:
     data = os.pread(fd, len(view), pos)
     view[:len(data)] = data
@@ -315,6 +329,8 @@ class Sink:
         self.rb: ReadBack | None = None  # the current file's read-back
         self.rb_fd = -1
         self.spoiled = False  # the current file was written to here by something other than this pull
+        self.mark = MARK_NS  # the mark's mtime as the file system keeps it (_set_mark)
+        self.marking = True
         self.got = 0  # bytes of the current file received in this pull
         self.state: dict[int, str] = {}  # index -> "open" | "done" | "changed" | "bad" | "kept"
         self.bytes = 0
@@ -364,6 +380,7 @@ class Sink:
             self.fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o644, dir_fd=self.d.part_fd)
         self.spoiled = False
         self.mark = self._set_mark()
+        self.marking = self.mark == MARK_NS  # a file system that keeps the mark as set (else: a full read at the end)
         self.rb_fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
         self.rb = ReadBack(self.rb_fd, f["offset"])
         write_atomic(name + ".json", json.dumps({"path": f["path"], "size": f["size"], "mtime_ns": f["mtime_ns"]}
@@ -466,11 +483,11 @@ class Sink:
             raise VerifyError(f"pull: the node sent more than the {f['size']} B it listed for {f['path']!r}; "
                               "the transfer was stopped and nothing of that file kept", host=self.host,
                               hint="the node's file grew while it was sent, or the node is not to be trusted")
-        if not self.spoiled and not self._marked():
+        if self.marking and not self.spoiled and not self._marked():
             self.spoiled = True  # written to here by another writer: not kept at its end (this pull goes on)
         while view:
             view = view[os.write(self.fd, view):]
-        if not self.spoiled:
+        if self.marking and not self.spoiled:
             os.utime(self.fd, ns=(MARK_NS, MARK_NS))
         self.got += n
         self.bytes += n
@@ -485,7 +502,9 @@ class Sink:
         assert self.rb is not None
         rb, self.rb = self.rb, None
         size, digest = rb.finish()  # the file as it is on disk, read behind the writer, not the bytes as they passed
-        spoiled = self.spoiled or not self._marked()  # written to here after a part was read back
+        if not self.marking:  # the mark cannot tell another writer here: read the whole file again, as it is now
+            size, digest = _read_whole(self.rb_fd)
+        spoiled = self.marking and (self.spoiled or not self._marked())  # written to after a part was read back
         size = os.fstat(self.fd).st_size if spoiled else size  # cut short or grown since it was read
         if not spoiled:
             os.utime(self.fd)  # the placed file's mtime: now, not the mark
