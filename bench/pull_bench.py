@@ -1,20 +1,23 @@
 """dfo pull of one big file against `ssh HOST cat FILE > file` (issue 23): timed alternately, same run.
 
     python bench/pull_bench.py [-n 3] [--mib 1024] [--code DIR] [--transports openssh,paramiko]
-                               [--parallel] [--parts] [--out FILE]
+                               [--before DIR] [--peer-cipher CIPHER] [--parallel] [--parts] [--out FILE]
 
 One testbed node (real sshd in its own network namespace, on this machine). A run on the node writes
 one file of --mib MiB of random bytes. Then, for each transport, N times in turn after one warm-up of
 each: `dfo pull -H node RUN --to <fresh folder>` (end to end: its status and list calls, the transfer,
 fsync, the sha256 read back from disk) and `ssh -F <the same ssh_config> ... HOST cat FILE > file` (the
 system client, its own connection each time; dfo's shared connection is up from the warm-up, as it is
-for a user within ssh_persist). Best and median wall time of each, their ratio (peer
-time / dfo time: 1.0x means as fast as ssh cat; the goal is >= 0.8x) and MB/s.
+for a user within ssh_persist; ``--peer-cipher C``: also `ssh -c C ... cat`, in the same turns). Best
+and median wall time of each, their ratio (peer time / dfo time: 1.0x means as fast as ssh cat; the goal
+is >= 0.8x) and MB/s.
 
 ``--parts``: only the CPU per GiB of dfo's own two stages (the node's send, the controller's reader),
 without SSH. ``--code DIR``: run the dfo of another checkout (its orchestrator/ and remote/), e.g. main's, for a
-"before" figure from the same machine. ``--parallel``: also time 1, 2 and 4 `ssh cat` of ranges of the
-file at once (each its own connection) against one: does a second SSH channel buy anything here?
+"before" figure from the same machine; ``--before DIR``: time that checkout's dfo too, in the same
+turns as this one (before and after side by side, under the same load). ``--parallel``: also time 1, 2
+and 4 `ssh cat` of ranges of the file at once (each its own connection) against one: does a second SSH
+channel buy anything here?
 """
 
 from __future__ import annotations
@@ -69,24 +72,32 @@ def timed(argv: list[str], env: dict[str, str], stdout: Path | None = None, what
 
 
 def pair(name: str, a: tuple[str, Callable[[], float]], b: tuple[str, Callable[[], float]], n: int,
-         nbytes: int) -> dict[str, object]:
-    """a() and b() alternately n times after a warm-up of each; the ratio is b's time over a's."""
-    (na, fa), (nb, fb) = a, b
-    fa(), fb()
-    ta: list[float] = []
-    tb: list[float] = []
+         nbytes: int, *more: tuple[str, Callable[[], float]]) -> dict[str, object]:
+    """a(), b() (and each of ``more``) in turn n times after a warm-up of each; each ratio is the
+    other's time over a's (``ratio_best``/``ratio_median``: b's)."""
+    runs = [a, b, *more]
+    for _, f in runs:
+        f()
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(n):
-        ta.append(fa())
-        tb.append(fb())
-    out = {"what": name, na: {"best": min(ta), "median": statistics.median(ta), "all": ta},
-           nb: {"best": min(tb), "median": statistics.median(tb), "all": tb},
-           "ratio_best": min(tb) / min(ta), "ratio_median": statistics.median(tb) / statistics.median(ta)}
+        for (_, f), t in zip(runs, times, strict=True):
+            t.append(f())
+    ta = times[0]
+    out: dict[str, object] = {"what": name}
     mb = nbytes / 1e6
-    print(f"{name}\n"
-          f"  {na:44} best {min(ta):6.2f} s ({mb / min(ta):5.0f} MB/s)  median {statistics.median(ta):6.2f} s\n"
-          f"  {nb:44} best {min(tb):6.2f} s ({mb / min(tb):5.0f} MB/s)  median {statistics.median(tb):6.2f} s\n"
-          f"  ratio ({nb} time / {na} time): best {out['ratio_best']:.2f}x  median {out['ratio_median']:.2f}x",
-          flush=True)
+    lines = [name]
+    for (nx, _), tx in zip(runs, times, strict=True):
+        out[nx] = {"best": min(tx), "median": statistics.median(tx), "all": tx}
+        lines.append(f"  {nx:44} best {min(tx):6.2f} s ({mb / min(tx):5.0f} MB/s)  "
+                     f"median {statistics.median(tx):6.2f} s")
+    for k, ((nx, _), tx) in enumerate(zip(runs[1:], times[1:], strict=True)):
+        rb, rm = min(tx) / min(ta), statistics.median(tx) / statistics.median(ta)
+        if k == 0:
+            out["ratio_best"], out["ratio_median"] = rb, rm
+        else:
+            out[f"ratio_best {nx}"], out[f"ratio_median {nx}"] = rb, rm
+        lines.append(f"  ratio ({nx} time / {a[0]} time): best {rb:.2f}x  median {rm:.2f}x")
+    print("\n".join(lines), flush=True)
     return out
 
 
@@ -149,6 +160,10 @@ def main() -> None:
     ap.add_argument("--transports", default="openssh,paramiko")
     ap.add_argument("--parallel", action="store_true")
     ap.add_argument("--parts", action="store_true", help="only the CPU per GiB of dfo's own stages, without SSH")
+    ap.add_argument("--before", type=Path, metavar="DIR",
+                    help="also time the dfo of the checkout DIR (e.g. main's, before a change) in the same turns")
+    ap.add_argument("--peer-cipher", action="append", default=[], metavar="CIPHER",
+                    help="also time the peer with `ssh -c CIPHER` (e.g. aes128-gcm@openssh.com), in the same turns")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.parts:
@@ -202,12 +217,12 @@ def main() -> None:
             dest = work / "dest"
             count = [0]
 
-            def pull(inv: Path) -> float:
+            def pull(inv: Path, code: list[str] = dfo, label: str = "") -> float:
                 count[0] += 1
                 to = dest / f"pull-{count[0]}"
                 try:
-                    return timed([*dfo, "-i", str(inv), "pull", "-H", node.name, run, "--to", str(to)], env,
-                                 what=f"dfo pull ({inv.stem.split('-')[-1]})")
+                    return timed([*code, "-i", str(inv), "pull", "-H", node.name, run, "--to", str(to)], env,
+                                 what=f"dfo pull{label} ({inv.stem.split('-')[-1]})")
                 finally:
                     shutil.rmtree(to, ignore_errors=True)
 
@@ -216,16 +231,21 @@ def main() -> None:
             peer_file = dest / "peer.bin"
             dest.mkdir(exist_ok=True)
 
-            def cat() -> float:
+            def cat(cipher: str | None = None) -> float:
+                what = "ssh HOST cat FILE > file" + (f" (-c {cipher})" if cipher else "")
                 try:
-                    return timed(ssh, env, stdout=peer_file, what="ssh HOST cat FILE > file")
+                    return timed(ssh[:1] + ["-c", cipher] + ssh[1:] if cipher else ssh, env, stdout=peer_file,
+                                 what=what)
                 finally:
                     peer_file.unlink(missing_ok=True)
 
+            peers = [(f"ssh HOST cat FILE > file (-c {c})", lambda c=c: cat(c)) for c in args.peer_cipher]
             for t, inv in invs.items():
+                also = [(f"dfo pull, before ({t})",
+                         lambda inv=inv: pull(inv, dfo_argv(args.before), ", before"))] if args.before else []
                 results.append(pair(f"{args.mib} MiB file: dfo pull ({t}) vs ssh HOST cat FILE > file",
                                     (f"dfo pull ({t})", lambda inv=inv: pull(inv)),  # type: ignore[misc]
-                                    ("ssh HOST cat FILE > file", cat), args.n, nbytes))
+                                    ("ssh HOST cat FILE > file", cat), args.n, nbytes, *peers, *also))
             print("CPU seconds on this machine's side per run (median; the node's side and a ControlMaster are "
                   "not counted):")
             for what, secs in CPU.items():

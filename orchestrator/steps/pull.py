@@ -18,8 +18,9 @@ checked before anything is written here (docs/security.md).
 4. One more command sends the rest as a raw stream (steps.pullwire: the file bytes as they are,
    in length-prefixed records); each file goes to DIR/.dfo/partial/ first (never past its listed
    size: a record that would pass it is refused before its bytes are read), is read back from
-   disk and checked against its listed size and the sha256 the node computed of the whole file as
-   it read it, then renamed into place. An
+   disk (by a thread behind the writer, while the rest arrives; a write here by anything else, even
+   to bytes already read back, is caught: steps.pullsink) and checked against its listed size and the
+   sha256 the node computed of the whole file as it read it, then renamed into place. An
    interrupted pull keeps its partial files: the next one asks only for the bytes after them (when
    the node's file is unchanged) and checks the whole file again on arrival.
 """

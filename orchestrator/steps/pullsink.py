@@ -5,10 +5,22 @@
   DIR is never written through. DIR/.dfo/ holds the lock (one pull at a time per DIR, flock, not
   waited for), the pull manifest and partial/.
 * ``Sink``: the node's stream (its records, read by steps.pullwire) into partial files. A file whose
-  bytes would pass its listed size stops the transfer at once, before they are read; at its end
-  the partial file is fsync'ed, then READ BACK from disk: its size must be the listed size and its
-  sha256 the node's, before it is renamed into place, and only over a file this pull may replace
-  (see ``PullDir.may_replace``).
+  bytes would pass its listed size stops the transfer at once, before they are read. Each file is
+  READ BACK from disk, not hashed from memory: a thread of its own (``ReadBack``) reads the partial
+  file through a descriptor of its own, behind the writer (only bytes already written), while the
+  transfer goes on, so the read-back no longer starts after the last byte. At the file's end it is
+  fsync'ed and the read-back finishes (to the end of the file as it is on disk); its size must be
+  the listed size and its sha256 the node's, before it is renamed into place, and only over a file
+  this pull may replace (see ``PullDir.may_replace``).
+* "As written" (issue 16): what is checked is the file on disk, so bytes spoiled there after they
+  arrived are caught, also those the trailing read-back has already passed. The partial file's mtime
+  is set to a mark (``MARK_NS``) after each write of dfo's; a write by anything else sets it to the
+  time of day. Before each write of dfo's, and after the read-back has ended, the mtime must still be
+  the mark, else the file is not kept (exit 3, as a wrong sha256). The placed file's mtime is the time
+  it was placed. On a file system that does not keep the mark as set (it stores another mtime), the
+  whole file is read again after its last byte instead, as before the read-back thread. (Not caught:
+  a write in the microseconds between one of dfo's writes and its mark, a writer that sets the mtime
+  back itself, writes through a shared mmap that the kernel has not yet stamped.)
 * An OSError here (disk full, permission, a file size limit) is a ``LocalError`` naming the path
   (exit 3), never taken for the connection's failure.
 """
@@ -22,6 +34,7 @@ import json
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +46,8 @@ from ..errors import VerifyError
 
 MANIFEST = "pull-manifest.json"
 READ_BACK = 4 << 20  # the read-back's buffer
+SYNC_EVERY = 64 << 20  # the read-back thread flushes the file to disk every this many bytes read
+MARK_NS = 0  # a partial file's mtime after each write of dfo's: no clock shows it, any other write changes it
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -207,6 +222,100 @@ class PullDir:
         return None if overwrite else "not written by dfo pull, or changed since"
 
 
+class ReadBack:
+    """The sha256 of a partial file as it is on disk, read by a thread of its own behind the writer.
+
+    ``fd`` is a descriptor of its own (read-only). ``wrote(n)``: the writer has written the file up to
+    ``n`` bytes (those may be read now). ``finish()``: the writer is done; the thread reads on to the
+    end of the file as it is, then (size read, hex sha256). The bytes hashed are read from the file,
+    never taken from the writer's buffers; ``hashlib`` and the reads release the GIL, so the hashing
+    runs beside the transfer. It also starts the disk writes early (an fsync every ``SYNC_EVERY`` bytes)
+    so the writer's fsync at the end has little left to do."""
+
+    def __init__(self, fd: int, available: int) -> None:
+        self.fd = fd
+        self.cond = threading.Condition()
+        self.avail = available  # the bytes the writer has written (an earlier pull's part included)
+        self.final = self.cancelled = False
+        self.size = 0
+        self.read = 0  # bytes read back so far
+        self.digest = ""
+        self.error: OSError | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="dfo-pull-readback")
+        self.thread.start()
+
+    def wrote(self, upto: int) -> None:
+        with self.cond:
+            self.avail = upto
+            self.cond.notify()
+
+    def _run(self) -> None:
+        h = hashlib.sha256()
+        pos = synced = 0
+        buf = memoryview(bytearray(READ_BACK))  # one buffer for the whole file: no allocation per read
+        try:
+            while True:
+                with self.cond:
+                    while pos >= self.avail and not self.final and not self.cancelled:
+                        self.cond.wait()
+                    if self.cancelled:
+                        return
+                    want = READ_BACK if self.final else min(READ_BACK, self.avail - pos)
+                got = os.preadv(self.fd, [buf[:want]], pos) if hasattr(os, "preadv") else \
+                    _pread_into(self.fd, buf[:want], pos)
+                if not got:
+                    if self.final:  # the end of the file as it is on disk
+                        self.size, self.digest = pos, h.hexdigest()
+                        return
+                    with self.cond:  # shorter than written: truncated here; the end will say its size
+                        while not self.final and not self.cancelled:
+                            self.cond.wait()
+                    continue
+                h.update(buf[:got])
+                pos += got
+                self.read = pos
+                if pos - synced >= SYNC_EVERY:
+                    os.fsync(self.fd)
+                    synced = pos
+        except OSError as exc:
+            self.error = exc
+
+    def finish(self) -> tuple[int, str]:
+        """(the file's size as read, its sha256) once the thread has read it to its end; OSError if a read failed."""
+        with self.cond:
+            self.final = True
+            self.cond.notify()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.size, self.digest
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify()
+        self.thread.join()
+
+
+def _read_whole(fd: int) -> tuple[int, str]:
+    """(size, sha256) of the file at ``fd``, read from its start to its end now."""
+    h = hashlib.sha256()
+    pos = 0
+    buf = memoryview(bytearray(READ_BACK))
+    while True:
+        got = _pread_into(fd, buf, pos)
+        if not got:
+            return pos, h.hexdigest()
+        h.update(buf[:got])
+        pos += got
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    data = os.pread(fd, len(view), pos)
+    view[:len(data)] = data
+    return len(data)
+
+
 class Sink:
     """Writes the node's events for ``wanted`` into DIR/.dfo/partial/, checks each file on disk, places it."""
 
@@ -217,6 +326,11 @@ class Sink:
         self.cur: int | None = None
         self.last = -1  # the highest index the node has sent: it sends the files in the order asked
         self.fd = -1
+        self.rb: ReadBack | None = None  # the current file's read-back
+        self.rb_fd = -1
+        self.spoiled = False  # the current file was written to here by something other than this pull
+        self.mark = MARK_NS  # the mark's mtime as the file system keeps it (_set_mark)
+        self.marking = True
         self.got = 0  # bytes of the current file received in this pull
         self.state: dict[int, str] = {}  # index -> "open" | "done" | "changed" | "bad" | "kept"
         self.bytes = 0
@@ -264,13 +378,33 @@ class Sink:
             os.lseek(self.fd, f["offset"], os.SEEK_SET)
         else:
             self.fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o644, dir_fd=self.d.part_fd)
+        self.spoiled = False
+        self.mark = self._set_mark()
+        self.marking = self.mark == MARK_NS  # a file system that keeps the mark as set (else: a full read at the end)
+        self.rb_fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
+        self.rb = ReadBack(self.rb_fd, f["offset"])
         write_atomic(name + ".json", json.dumps({"path": f["path"], "size": f["size"], "mtime_ns": f["mtime_ns"]}
                                                 ).encode("utf-8", "surrogateescape"), dir_fd=self.d.part_fd)
 
+    def _set_mark(self) -> int:
+        """The partial file's mtime set to the mark; the mtime as the file system stored it."""
+        os.utime(self.fd, ns=(MARK_NS, MARK_NS))
+        return os.fstat(self.fd).st_mtime_ns
+
+    def _marked(self) -> bool:
+        """Nothing but this pull has written to the partial file since its last write (the mark is there)."""
+        return os.fstat(self.fd).st_mtime_ns == self.mark
+
     def close(self) -> None:
+        if self.rb is not None:
+            self.rb.cancel()
+            self.rb = None
+        if self.rb_fd >= 0:
+            os.close(self.rb_fd)
         if self.fd >= 0:
             os.close(self.fd)
-        self.fd, self.cur = -1, None
+        self.fd = self.rb_fd = -1
+        self.cur = None
 
     def _check(self, kind: object, i: object) -> str:
         """The path of file ``i``, if the node may send a record of it now (asked for, in order, not ended)."""
@@ -349,23 +483,38 @@ class Sink:
             raise VerifyError(f"pull: the node sent more than the {f['size']} B it listed for {f['path']!r}; "
                               "the transfer was stopped and nothing of that file kept", host=self.host,
                               hint="the node's file grew while it was sent, or the node is not to be trusted")
+        if self.marking and not self.spoiled and not self._marked():
+            self.spoiled = True  # written to here by another writer: not kept at its end (this pull goes on)
         while view:
             view = view[os.write(self.fd, view):]
+        if self.marking and not self.spoiled:
+            os.utime(self.fd, ns=(MARK_NS, MARK_NS))
         self.got += n
         self.bytes += n
+        assert self.rb is not None
+        self.rb.wrote(f["offset"] + self.got)
 
     def _end(self, i: int, ev: dict[str, Any]) -> None:
         f = self.wanted[i]
         rel = f["path"]
         self._switch(i)  # nothing after the offset (an empty file, or all of it was here)
         os.fsync(self.fd)
+        assert self.rb is not None
+        rb, self.rb = self.rb, None
+        size, digest = rb.finish()  # the file as it is on disk, read behind the writer, not the bytes as they passed
+        if not self.marking:  # the mark cannot tell another writer here: read the whole file again, as it is now
+            size, digest = _read_whole(self.rb_fd)
+        spoiled = self.marking and (self.spoiled or not self._marked())  # written to after a part was read back
+        size = os.fstat(self.fd).st_size if spoiled else size  # cut short or grown since it was read
+        if not spoiled:
+            os.utime(self.fd)  # the placed file's mtime: now, not the mark
         self.close()
         self.state[i] = "bad"
         want = ev.get("sha256")
-        size, digest = self._read_back(rel)  # the file as it is on disk, not the bytes as they passed
-        if size != f["size"] or not isinstance(want, str) or not _SHA.match(want) or digest != want:
+        if spoiled or size != f["size"] or not isinstance(want, str) or not _SHA.match(want) or digest != want:
             self._drop(rel)
-            self.bad.append(rel + (f" ({size} B, listed {f['size']} B)" if size != f["size"] else ""))
+            self.bad.append(rel + (f" ({size} B, listed {f['size']} B)" if size != f["size"] else
+                                   " (written to here by something else while it was pulled)" if spoiled else ""))
             return
         why = self.d.may_replace(rel, self.manifest.get(rel), self.overwrite)  # again: DIR may have changed
         if why is not None:
@@ -395,21 +544,6 @@ class Sink:
         if time.monotonic() - self.last_save > 2:
             self.save()
             self.last_save = time.monotonic()
-
-    def _read_back(self, rel: str) -> tuple[int, str]:
-        h = hashlib.sha256()
-        n = 0
-        buf = memoryview(bytearray(READ_BACK))  # one buffer for the whole file: no allocation per read
-        fd = os.open(self.part(rel), os.O_RDONLY | FILE_FLAGS, dir_fd=self.d.part_fd)
-        try:
-            while True:
-                got = os.readv(fd, [buf])
-                if not got:
-                    return n, h.hexdigest()
-                h.update(buf[:got])
-                n += got
-        finally:
-            os.close(fd)
 
     def abort(self) -> None:
         """The current file's partial is not kept (the node broke the rules sending it)."""
