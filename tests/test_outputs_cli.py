@@ -123,7 +123,8 @@ def oenv(testbed: Testbed, tmp_path: Path) -> OutEnv:
 
 
 @on_testbed
-def test_restore_fetches_dest_into_an_empty_path_and_skips_a_full_one(oenv: OutEnv) -> None:
+def test_restore_fetches_dest_into_an_empty_path_and_skips_a_full_one(oenv: OutEnv,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     job, name = oenv.job(n=0, restore=True)
     prefix = f"runs/{name}/"
     body = b"last shipped\n" * 100
@@ -151,6 +152,24 @@ def test_restore_fetches_dest_into_an_empty_path_and_skips_a_full_one(oenv: OutE
     doc = oenv.json("launch", "-H", oenv.node.name, "-j", str(job))
     assert doc["restore"]["status"] == "skipped" and "holds files already" in doc["restore"]["why"]
     assert oenv.sh(f"cat {path}/ckpt-7.txt") == "mine\n"
+    # a recovering run's new generation (launch refreshes from generation 2 on): what differs from the
+    # shipped files is replaced by them, whatever the node kept; a file that was never shipped stays
+    from orchestrator.config.models import load_job
+    from orchestrator.hosts import HostSession
+    from orchestrator.steps.outputs import restore
+
+    oenv.sh(f"echo only-here > {path}/local.txt")
+    for k, v in oenv.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    session = HostSession(oenv.inv, (oenv.node.name,))
+    try:
+        rep = restore(session.conn(oenv.node.name), load_job(job), "refresh-run", refresh=True)
+    finally:
+        session.close()
+    assert rep is not None and rep.fetched == 1, rep  # ckpt-7.txt; sub/opt.bin is as shipped
+    assert hashlib.sha256(oenv.sh(f"cat {path}/ckpt-7.txt").encode()).hexdigest() == hashlib.sha256(body).hexdigest()
+    assert oenv.sh(f"cat {path}/local.txt") == "only-here\n"
 
 
 @on_testbed

@@ -532,8 +532,8 @@ def test_a_ddp_gang_loses_a_node_then_a_worker_and_goes_on(make_testbed: MakeTes
     assert f"bringing spare {spare.name} to parity" in out and f"{spare.name} took {a.name}'s place" in out, out[-4000:]
     # both ranks of the last generation resumed from the last checkpoint, and finished. Torchrun's RANK 0,
     # the one that saves, is not dfo's rank 0: its c10d rendezvous numbers the nodes in the order of their
-    # --local-addr strings, so after the recovery the writer may be the survivor (restore put the last
-    # checkpoint on each node whose outputs.path was empty)
+    # --local-addr strings, so after the recovery the writer may be the survivor (from generation 2 on, restore
+    # brings every node's outputs.path to the last shipped checkpoint, so both ranks resume at one step)
     log = bed.run("tail", "-H", f"{spare.name},{b.name}", rec["run"], "-n", "+1", timeout=120)
     assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
     for host in (spare.name, b.name):

@@ -438,7 +438,9 @@ def test_a_flood_from_outside_the_gang_does_not_break_it(tb: Testbed, tmp_path: 
         _wait(lambda: json.loads(tb.node_exec("node-3", "cat /root/flood.json").stdout or "{}").get("done"), 60,
               lambda: "the flood did not finish: " + tb.node_exec("node-3", "cat /root/flood.log").stdout[-2000:])
         stats = json.loads(tb.node_exec("node-3", "cat /root/flood.json").stdout)
-        assert stats["connected"] >= 2000 and stats["most"] == 2000, stats
+        # thousands of connections, hundreds open at once (far above the hub's 64 pending slots); how close the
+        # peak comes to the 2000 asked depends on how fast the hub closes them (1387 in one quiet run)
+        assert stats["connected"] >= 2000 and stats["most"] >= 500, stats
         g = _wait_ended(inv, run, 150)
         assert g["state"] == "succeeded" and g["first_failure"] is None, g
     finally:

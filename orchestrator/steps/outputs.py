@@ -114,10 +114,13 @@ def restore_request(loaded: LoadedJob, run_id: str, path: str) -> dict[str, Any]
 
 
 def restore(conn: Transport, loaded: LoadedJob, run_id: str,
-            on_event: Callable[[dict[str, Any]], None] | None = None) -> RestoreReport | None:
+            on_event: Callable[[dict[str, Any]], None] | None = None, refresh: bool = False) -> RestoreReport | None:
     """Before a launch: fetch outputs.dest into outputs.path when the node lacks it (missing, or holding
     nothing but dfo's .dfo names). None when the job does not restore (no outputs:, no dest, restore:
-    false)."""
+    false). ``refresh`` (a recovering run's generation 2 and later): also into a path that holds files,
+    every file that differs from outputs.dest replaced by the shipped one, so that every node of the new
+    generation resumes from the same last shipped checkpoint, never from an older one a node kept on its
+    disk, nor a newer one only it has (files that are not in outputs.dest stay)."""
     out = loaded.job.outputs
     if out is None or not out.dest or not out.restore:
         return None
@@ -126,7 +129,7 @@ def restore(conn: Transport, loaded: LoadedJob, run_id: str,
     path = expand(out.path, loaded.job.name, run_id).rstrip("/") or "/"
     kind, shown = look(conn, path)
     source = dest_url(expand(out.dest, loaded.job.name, run_id))
-    if kind == "full":
+    if kind == "full" and not refresh:
         return RestoreReport(host=conn.name, status="skipped", why=f"{shown} holds files already", fetched=0,
                              skipped=0, bytes=0, seconds=0.0, mb_per_s=0.0, dest=shown, source=source, files_total=0,
                              bytes_total=0)

@@ -273,6 +273,9 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
     restore = None
     out = job.outputs
     wants_restore = out is not None and bool(out.dest) and out.restore
+    # a recovering run's new generation: every node is brought to what outputs.dest holds (outputs.restore)
+    recovering = generation if generation is not None else getattr(gang, "generation", None)
+    refresh = isinstance(recovering, dict) and int(recovering.get("generation") or 1) > 1
     if (job.code is not None or wants_restore) and (
             force or all(r.state != "running" for r in status(conn, workspace, job=job.name))):
         # code: and restore first; a live run's code and outputs are left alone (its launch is refused below)
@@ -284,7 +287,7 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
             from .outputs import restore as restore_outputs
             from .outputs import restore_line
 
-            r = restore_outputs(conn, loaded, rid, on_event=on_event)
+            r = restore_outputs(conn, loaded, rid, on_event=on_event, refresh=refresh)
             if r is not None:
                 restore = r.model_dump()
                 if note is not None:
