@@ -18,11 +18,12 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
   The host's own inventory fields (port, user, identity, proxy_jump) go on the command line as ``-o``,
   so they win over everything (and apply to the target only, as ``ssh -o`` does).
 * The files live in dfo's own 0700 folder (``state_dir``): $XDG_RUNTIME_DIR/dfo-ssh, else
-  ~/.cache/dfo/ssh. The resolution config (1-3) is named by its content's hash and written once; a
-  connection's own config (``conn_config``) adds, for every hop, UserKnownHostsFile = a fresh file of
-  this connection's (new keys land there first), dfo's known_hosts, then the user's own known_hosts
-  files (so keys the user's ssh already trusts are trusted), and StrictHostKeyChecking yes for the
-  hops a @cert-authority line covers (a certificate, or a key recorded by hand; never first use).
+  $XDG_CACHE_HOME/dfo/ssh (~/.cache/dfo/ssh). The resolution config (1-3) is named by its content's
+  hash and written once; a connection's own config (``conn_config``) adds, for every hop,
+  UserKnownHostsFile = a fresh file of this connection's (new keys land there first), dfo's known_hosts,
+  then the user's own known_hosts files (so keys the user's ssh already trusts are trusted), and
+  StrictHostKeyChecking yes for the hops a @cert-authority line covers (a certificate, or a key recorded
+  by hand; never first use).
 * Connection sharing: ControlMaster auto, ControlPersist ``defaults.ssh_persist`` (60 s; 0: off),
   ControlPath in dfo's folder (``cm-`` + a hash of user, host, port, path and config). A user whose
   ssh_config sets a ControlPath for the host keeps theirs (dfo passes none of its own). A master
@@ -63,10 +64,15 @@ CIPHERS_FIRST = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 CIPHERS_FIRST_SINCE = (8, 1)
 
 
+def _cache_home() -> Path:
+    """dfo's cache folder: $XDG_CACHE_HOME/dfo, else ~/.cache/dfo (as the rest of dfo's caches)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dfo"
+
+
 def state_dir() -> Path:
     """dfo's own folder for ssh: 0700, created on first use (control sockets, config files)."""
     run = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else Path("~/.cache/dfo/ssh").expanduser()
+    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else _cache_home() / "ssh"
     try:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = base.stat()
@@ -95,7 +101,7 @@ def ssh_version(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
-    cache = Path("~/.cache/dfo/ssh-version").expanduser()
+    cache = _cache_home() / "ssh-version"
     try:
         k, _, v = cache.read_text().partition("\n")
         if k == key:
