@@ -435,15 +435,17 @@ def _slow_shipper(s3: S3Endpoint, bucket: str, tmp_path: Path, procs: list[Shipp
 
 def test_sigterm_aborts_the_upload_records_and_exits(s3: S3Endpoint, bucket: str, tmp_path: Path,
                                                      procs: list[ShipperProc]) -> None:
-    sp, _ = _slow_shipper(s3, bucket, tmp_path, procs)
+    sp, root = _slow_shipper(s3, bucket, tmp_path, procs)
     t0 = time.monotonic()
     sp.proc.send_signal(signal.SIGTERM)
     rc, out, err = sp.finish(timeout=60)
     assert rc == 1, (out, err)
     assert time.monotonic() - t0 < 30
     c = s3.client()
-    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    assert c.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []  # aborted: no upload left behind
+    # the object being sent is aborted (the usual case: its parts go slowly) or finished whole, never half
+    # (on a loaded machine the signal can come after its last part)
+    assert objects(s3, bucket) in ({}, {"k/big.bin": (root / "big.bin").read_bytes()})
     doc = outputs_json(sp.run_dir)
     assert doc["state"] == "failed" and "SIGTERM" in doc["errors"][-1]["error"]
     assert doc["last_pass"]["ok"] is False
