@@ -195,8 +195,14 @@ def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:
     lock_path = path.with_name(path.name + ".lock")
     with _KH_LOCK, open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        fresh = prep.new_keys.read_text(encoding="utf-8", errors="replace")
-        with open(prep.new_keys, "w"):
+        try:
+            fresh = prep.new_keys.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:  # close() from another thread merged this file's keys, then removed it
+            return
+        try:
+            with open(prep.new_keys, "w"):
+                pass
+        except FileNotFoundError:  # removed since: nothing left to empty (the keys read are merged below)
             pass
         kh = KnownHosts.load(host.known_hosts)
         for line in fresh.splitlines():
