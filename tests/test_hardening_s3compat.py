@@ -155,7 +155,9 @@ def test_stage_model(sx: SXfer) -> None:
 
 
 def test_resume_after_the_node_side_is_killed(sx: SXfer) -> None:
-    ds = sx.upload(random_files(300, 64 * 1024, "tok/t-{i:04d}.bin"))
+    # many small files, one at a time: the transfer must still be going when the test kills it (300 files
+    # were done before the kill in one run on a fast server)
+    ds = sx.upload(random_files(1000, 16 * 1024, "tok/t-{i:04d}.bin"))
     dest = f"{sx.base}/tok"
     job = sx.job(data={"source": ds.source, "dest": dest}, s3={"concurrency": 1})
     proc = sx.popen("sync-data", "-H", sx.node.name, "-j", str(job), "--json")
