@@ -135,6 +135,7 @@ SLOW: set[str] = {
     "test_recovery_gang.py::test_a_gang_loses_rank_0_and_a_spare_takes_its_rank",
     "test_recovery_gang.py::test_a_gang_restarts_on_sigkill_and_not_on_exit_1",
     "test_recovery_gang.py::test_a_ddp_gang_loses_a_node_then_a_worker_and_goes_on",  # torch on 3 nodes: ~4 min
+    "test_recovery_gang.py::test_a_ddp_gang_whose_rank_exits_1_is_not_restarted",  # torch on 2 nodes
     "test_recovery.py::test_a_lost_node_with_no_healthy_spare_fails_after_a_bounded_wait",
     "test_fleet.py::test_exec_ctrl_c_ends_the_commands_on_the_node",
     "test_hardening_cli.py::test_printed_commands_work_when_pasted",

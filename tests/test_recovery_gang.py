@@ -1,7 +1,8 @@
 """Recovery of gangs on the testbed (issue 20): a 2-node gang plus a spare under `dfo up --watch` -- rank 0's
 node lost and replaced, a killed trainer restarted and exit 1 left alone, and the demo trainer itself in its
-DDP mode under torchrun on CPU torch (the demo's wheels). The single-node stories and the fixtures (Bed,
-bed_factory) are in tests/test_recovery.py; the two files run side by side (pytest-xdist, by file)."""
+DDP mode under torchrun on CPU torch (the demo's wheels): a lost node, a killed worker, a rank's exit 1. The
+single-node stories and the fixtures (Bed, bed_factory) are in tests/test_recovery.py; the two files run side
+by side (pytest-xdist, by file)."""
 
 from __future__ import annotations
 
@@ -214,3 +215,34 @@ def test_a_ddp_gang_loses_a_node_then_a_worker_and_goes_on(make_testbed: MakeTes
     assert f"{spare.name}: trainer killed by SIGKILL" in st.stdout, st.stdout
 
 
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not any(DEFAULT_WHEELS.glob("torch-*.whl")), reason="no demo wheels: run bash .ci/setup --demo")
+def test_a_ddp_gang_whose_rank_exits_1_is_not_restarted(make_testbed: MakeTestbed, bed_factory: Any) -> None:
+    """The demo trainer's DDP gang under `dfo up --watch`, one spare: rank 1 exits 1 at a step of its own
+    (`--exit-at-step`): a failure of the trainer's own. The watcher does not restart it (restarts.max 3): the
+    run fails with exit 5, generation 1, no restart recorded, and the spare is never touched (no run, no venv)."""
+    tb = make_testbed(nodes=3, s3=True)
+    a, b, spare = tb.nodes
+    for n in (a, b):
+        _upload_wheels(tb, n, DEFAULT_WHEELS)
+    bed: Bed = bed_factory(tb, "ddp-exits-1", cls=DdpBed, spares=[spare.name],
+                           restarts={"max": 3, "backoff": 0, "lost_after": 4})
+    doc = yaml.safe_load(bed.job.read_text())
+    doc["run"]["command"] += " --exit-at-step 15 --exit-rank 1"
+    bed.job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    up = bed.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bed.job.name, "--watch")
+    code = bed.finish(up, 500)
+    out = bed.out("up.log")
+    assert code == 5, out[-4000:]
+    assert "not restarted" in out, out[-4000:]
+    rec = bed.record()
+    assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
+    assert rec["hosts"] == [a.name, b.name] and not rec.get("lost"), rec
+    # the rank that exited is the one named, and it exited at its own step
+    log = bed.run("tail", "-H", f"{a.name},{b.name}", rec["run"], "-n", "+1", timeout=120)
+    assert re.search(r"^\[\S+\] rank 1: exiting with 1 at step 15 \(--exit-at-step\)$", log.stdout, re.M), \
+        log.stdout[-3000:]
+    untouched = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-demo && echo venv")
+    assert untouched.stdout.split() == ["0"], untouched.stdout
