@@ -21,6 +21,8 @@ read-back both fit between the other's check and its PUT (the window docs/recove
 The shipper calls ``superseded(client, bucket, prefix, spec)`` before a pass uploads anything: a
 record whose generation is newer than the run's own means the run is an old generation (a node cut
 off by a partition that came back): nothing is uploaded, and ``stop_trainer`` ends the run's trainer.
+``WriteGuard`` makes each upload conditional as well, which closes the window between that check and
+the upload where the server honours If-Match.
 """
 import json
 import os
@@ -125,10 +127,55 @@ def stop_trainer(run_dir, why):
 
 
 class Superseded(Exception):
-    def __init__(self, generation, mine):
+    ends_pass = True  # raised inside the upload engine too (WriteGuard): the pass ends, the trainer is stopped
+
+    def __init__(self, generation, mine, what="nothing uploaded"):
         Exception.__init__(self, "superseded: generation %d of this run started elsewhere (this is generation %d); "
-                                 "nothing uploaded, the trainer is stopped" % (generation, mine))
+                                 "%s, the trainer is stopped" % (generation, mine, what))
         self.generation = generation
+
+
+META = "x-amz-meta-dfo-generation"  # the generation that wrote an object of outputs.dest
+
+
+class WriteGuard:
+    """Each upload of a generation's outputs, conditional on what the key holds (issue 20: the window left
+    by the check before a pass). Every object written carries its generation (``META``). Right before an
+    object is committed (its PUT, or CompleteMultipartUpload) the engine asks ``condition(key)``: one HEAD.
+    An object there from a newer generation raises Superseded (nothing written); otherwise the commit is
+    made conditional on what was seen: ``If-Match: ETAG``, or ``If-None-Match: *`` where there was nothing.
+    A newer generation's write landing between the look and the commit is then refused by a server that
+    honours conditions (SeaweedFS, AWS S3: HTTP 412, on the PUT and on the completion), and the engine
+    looks again. A server that ignores them (rclone serve s3) still has the look: the window there is the
+    milliseconds between the HEAD and the commit."""
+
+    def __init__(self, client, bucket, mine):
+        self.client, self.bucket, self.mine = client, bucket, int(mine)
+
+    def headers(self):
+        return {META: str(self.mine)}
+
+    def condition(self, key):
+        from remote.lib.retry import retry
+        from remote.s3.errors import S3Error
+
+        try:
+            seen = retry(lambda: self.client.head(self.bucket, key))
+        except S3Error as exc:
+            if exc.status == 404:
+                return {"if-none-match": "*"}
+            if exc.status == 403:  # credentials that may write but not read: unconditional, as without a guard
+                return {}
+            raise
+        try:
+            theirs = int((seen.get(META) or "0").strip())
+        except ValueError:
+            theirs = 0
+        if theirs > self.mine:
+            raise Superseded(theirs, self.mine, "%s was written by it, this upload is not sent"
+                             % self.client.where(self.bucket, key))
+        etag = (seen.get("etag") or "").strip()
+        return {"if-match": etag} if etag else {}
 
 
 def fence(client, bucket, prefix, spec, run_dir):

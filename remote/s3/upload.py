@@ -16,7 +16,14 @@
 
 Every request is retried through ``remote.lib.retry`` (5 attempts, full jitter, Retry-After), as sync-data's.
 The result per item: ``{"key", "size", "etag", "sha256", "ok", "error", "changed"}`` (``changed``: the
-file changed while it was read or sent; nothing was completed, the next pass tries again).
+file changed while it was read or sent; nothing was completed, the next pass tries again), and
+``refused`` (the exception) when the guard refused the write.
+
+``guard`` (optional; ``remote.runs.generation.WriteGuard`` for a run that recovers): ``headers()`` go on
+every object created, and ``condition(key)``, asked right before each commit (the PUT, or
+CompleteMultipartUpload), gives the conditional headers of that commit (If-Match / If-None-Match) or
+raises an exception marked ``ends_pass`` (nothing committed). A commit refused by its condition (HTTP 412,
+or 409 for a conflicting concurrent write) is tried again with a fresh condition, ``GUARD_TRIES`` times.
 
 ``remote.s3.limits``: ``CpuGovernor`` keeps the process's CPU time (hashing, Python, syscalls) at most ``cpu`` cores on
 average over a few seconds: a worker that finds the budget spent sleeps before its next chunk.
@@ -46,6 +53,7 @@ MEMORY = 256 * MIB  # file content held in memory at once, at most (or threshold
 PLAIN_ETAG = re.compile(r"^[0-9a-fA-F]{32}$")
 MULTI_ETAG = re.compile(r"^[0-9a-fA-F]{32}-(\d+)$")
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+GUARD_TRIES = 3  # commits refused by their condition (another writer came first) before the file fails
 
 
 class Changed(Exception):
@@ -137,7 +145,7 @@ def local_etag(path, size, part_size, multipart, governor=None):
 
 class Uploader:
     def __init__(self, client, bucket, concurrency=8, part_size=16 * MIB, threshold=64 * MIB, cpu=2.0,
-                 progress=None, stop=None, governor=None, journal=None):
+                 progress=None, stop=None, governor=None, journal=None, guard=None):
         self.client, self.bucket = client, bucket
         self.concurrency = max(1, int(concurrency))
         self.part_size = max(5 * MIB, int(part_size))
@@ -147,6 +155,7 @@ class Uploader:
         self.governor = governor or CpuGovernor(cpu, stop=self.stop)
         self.parts_pool: Optional[ThreadPoolExecutor] = None  # while upload() runs
         self.journal = journal  # .opened(bucket, key, upload_id) / .closed(...): open uploads, kept on disk
+        self.guard = guard  # conditional commits (module docstring)
         self.memory = MemBudget(max(self.threshold + self.part_size, min(self.concurrency * self.part_size, MEMORY)),
                                 self.stop)
         self.buffers = BufferPool(self.memory.limit)
@@ -186,6 +195,8 @@ class Uploader:
             res["error"] = self._describe(exc, item)
             if isinstance(exc, Changed):
                 res["changed"] = True
+            if getattr(exc, "ends_pass", False):
+                res["refused"] = exc
             note = getattr(exc, "abort_failed", None)
             if note:
                 res["error"] += "; " + note
@@ -213,6 +224,19 @@ class Uploader:
 
     def _retry(self, fn):
         return retry(fn, stop=self.stop)
+
+    def _commit(self, key, send):
+        """``send(headers)`` commits the object (retried); with a guard, under the condition it gives."""
+        if self.guard is None:
+            return self._retry(lambda: send({}))
+        for attempt in range(GUARD_TRIES):
+            cond = self.guard.condition(key)
+            try:
+                return self._retry(lambda cond=cond: send(cond))
+            except S3Error as exc:
+                if exc.status not in (409, 412) or attempt == GUARD_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _read(self, resp, key):
         """The answer's body; a connection that breaks while it is read is a retryable failure."""
@@ -247,14 +271,17 @@ class Uploader:
         sha = hashlib.sha256(data).hexdigest()
         headers = {"content-md5": content_md5(md5), "x-amz-meta-sha256": sha,
                    "content-type": "application/octet-stream"}
+        if self.guard is not None:
+            headers.update(self.guard.headers())
         body = memoryview(data)
 
-        def put():
-            resp = self.client.request("PUT", self.bucket, key, headers=headers, body=body, payload_hash=sha)
+        def put(cond):
+            resp = self.client.request("PUT", self.bucket, key, headers=dict(headers, **cond), body=body,
+                                       payload_hash=sha)
             self._read(self.client.check(resp, self.bucket, key, "PUT"), key)
             return (resp.getheader("etag") or "").strip('"')
 
-        etag = self._retry(put)
+        etag = self._commit(key, put)
         if PLAIN_ETAG.match(etag) and etag.lower() != md5.hex():
             raise S3Error("verify", "%s: the server's ETag %s is not the MD5 of the bytes sent (%s)"
                           % (self.client.where(self.bucket, key), etag, md5.hex()))
@@ -318,9 +345,12 @@ class Uploader:
         return etag, sha
 
     def _create(self, key, sha):
+        headers = {"x-amz-meta-sha256": sha, "content-type": "application/octet-stream"}
+        if self.guard is not None:
+            headers.update(self.guard.headers())
+
         def create():
-            resp = self.client.request("POST", self.bucket, key, [("uploads", "")],
-                                       headers={"x-amz-meta-sha256": sha, "content-type": "application/octet-stream"})
+            resp = self.client.request("POST", self.bucket, key, [("uploads", "")], headers=headers)
             return self._read(self.client.check(resp, self.bucket, key, "POST"), key)
 
         body = self._retry(create)
@@ -384,9 +414,9 @@ class Uploader:
         if self.stop.is_set():
             raise Stopped()
 
-        def complete():
+        def complete(cond):
             resp = self.client.request("POST", self.bucket, key, [("uploadId", upload_id)], body=body,
-                                       headers={"content-type": "application/xml"})
+                                       headers=dict({"content-type": "application/xml"}, **cond))
             text = self._read(self.client.check(resp, self.bucket, key, "POST"), key)
             try:
                 root = ET.fromstring(text)
@@ -398,11 +428,12 @@ class Uploader:
                 code = fields.get("Code") or "Error"
                 raise S3Error("verify", "%s: CompleteMultipartUpload: %s: %s" % (
                     self.client.where(self.bucket, key), code, fields.get("Message", "")), code=code,
-                    retryable=code in ("InternalError", "SlowDown", "ServiceUnavailable"))
+                    retryable=code in ("InternalError", "SlowDown", "ServiceUnavailable"),
+                    status=412 if code == "PreconditionFailed" else None)
             fields = {strip_ns(c.tag): (c.text or "") for c in root}
             return (fields.get("ETag") or "").strip().strip('"')
 
-        etag = self._retry(complete)
+        etag = self._commit(key, complete)
         if MULTI_ETAG.match(etag) and etag.lower() != expected:
             raise S3Error("verify", "%s: the completed object's ETag %s is not the one of the parts sent (%s)"
                           % (self.client.where(self.bucket, key), etag, expected))

@@ -125,15 +125,18 @@ class Shipper:
             results = []
             if todo:
                 generation.fence(self._client(), bucket, prefix, self.spec, self.run_dir)  # issue 20
+                mine = self.spec.get("generation")  # a run that recovers: each upload conditional too
                 up = Uploader(self._client(), bucket, int(self.spec.get("concurrency") or 8),
                               int(self.spec.get("part_size_mb") or 16) * MIB,
                               int(self.spec.get("multipart_threshold_mb") or 64) * MIB,
-                              stop=self.stop, governor=self.governor, journal=journal)
+                              stop=self.stop, governor=self.governor, journal=journal,
+                              guard=generation.WriteGuard(self._client(), bucket, mine) if mine else None)
                 items = [{"path": os.path.join(self.root, rel), "key": prefix + rel, "size": st.st_size}
                          for rel, st in todo]
                 results = up.upload(items)
-            errors, oldest = [], None
+            errors, oldest, refused = [], None, None
             for (rel, st), res in zip(todo, results):
+                refused = refused or res.get("refused")
                 if res["ok"]:
                     shipped.record(rel, st, res["key"], res["etag"], res["sha256"])
                     p["files"] += 1
@@ -148,6 +151,9 @@ class Shipper:
         finally:
             os.close(lock_fd)
             os.close(meta_fd)
+        if isinstance(refused, generation.Superseded):  # a newer generation's object where this one would write
+            generation.stop_trainer(self.run_dir, "superseded by generation %d" % refused.generation)
+            raise refused
         if self.stop.is_set():
             raise Stopped()
         if errors:
