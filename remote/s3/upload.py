@@ -229,12 +229,12 @@ class Uploader:
         """``send(headers)`` commits the object (retried); with a guard, under the condition it gives."""
         if self.guard is None:
             return self._retry(lambda: send({}))
-        for attempt in range(GUARD_TRIES):
+        for look in range(GUARD_TRIES):  # no sleep: each look sees the newer object, or commits
             cond = self.guard.condition(key)
             try:
                 return self._retry(lambda cond=cond: send(cond))
             except S3Error as exc:
-                if exc.status not in (409, 412) or attempt == GUARD_TRIES - 1:
+                if exc.status not in (409, 412) or look == GUARD_TRIES - 1:
                     raise
         raise AssertionError("unreachable")
 
