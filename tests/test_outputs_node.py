@@ -217,7 +217,9 @@ def test_end_json_comes_first_then_the_last_pass_and_follow_waits_for_it(node: L
 
 def test_a_dead_shipper_is_restarted_and_a_shipper_that_keeps_dying_never_kills_the_run(
         node: LocalNode, tmp_path: Path) -> None:
-    run = node.launch("sleep 6", spec(tmp_path, every=0.2, die_first=2), CREDS)
+    wait_restarted = ('for i in $(seq 600); do grep -q \'"restarts": 2\' "$DFO_RUN_DIR/shipper.json" 2>/dev/null '
+                      '&& break; sleep 0.1; done')  # the trainer outlives two deaths of its shipper, no longer
+    run = node.launch(wait_restarted, spec(tmp_path, every=0.2, die_first=2), CREDS)
     fin, _ = node.call({"op": "follow", "run": run}, timeout=60)
     sh = node.file(run, "shipper.json")
     assert sh["restarts"] == 2 and [e["code"] for e in sh["exits"]][:2] == [3, 3]
