@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# ============================================================================================
+# bytecode: the suite starts hundreds of dfo processes (and its node modules on local nodes); with
+# PYTHONDONTWRITEBYTECODE set, each one compiled dfo's modules from source again (about 60 ms of CPU a
+# run). The suite writes its bytecode under .cache/pycache of the checkout instead (ignored by git; the
+# source tree stays free of __pycache__ folders), for this process and every process it starts.
+# ============================================================================================
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(Path(__file__).resolve().parents[1] / ".cache" / "pycache")
+sys.dont_write_bytecode = False
 
 # ============================================================================================
 # testbed fixtures (orchestrator/testbed/__init__.py): real sshd nodes + a real S3 server on this machine

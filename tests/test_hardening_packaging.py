@@ -95,8 +95,9 @@ def test_refresh_unpacks_only_a_wheel_that_matches_the_pin(tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr
     got = {p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
     want = {p.relative_to(VENDOR).as_posix(): p.read_bytes() for p in VENDOR.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.name not in ("__init__.py", "vendor.txt")
-            or p.parent.name == "packaging" and p.name == "__init__.py" or p.parent.name == "licenses"}
+            if p.is_file() and "__pycache__" not in p.parts  # a checkout where Python wrote its bytecode too
+            and (p.name not in ("__init__.py", "vendor.txt")
+                 or p.parent.name == "packaging" and p.name == "__init__.py" or p.parent.name == "licenses")}
     want["vendor.txt"] = (dest / "vendor.txt").read_bytes()
     assert got == want
     assert _script("--check", "--vendor-dir", str(dest)).returncode == 0
