@@ -48,7 +48,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
+from bench.bytecode import compile_trees  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402
 
 
@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--first-only", action="store_true", help="time only the first push (to a fresh node)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/code.json"))
     args = ap.parse_args()
+    compile_trees(args.dfo_root, *([args.compare_root] if args.compare_root else []))
     if not shutil.which("rsync"):
         raise SystemExit("rsync is not installed here (apt-get install rsync)")
     work = Path(tempfile.mkdtemp(prefix="dfo-code-bench-"))

@@ -31,7 +31,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
+from bench.bytecode import compile_trees  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402
 from orchestrator.testbed import system as tsys  # noqa: E402
 
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     a = ap.parse_args()
+    compile_trees(ROOT)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="dfo-fleet-bench-") as tmp, \
             Testbed(Path(tmp) / "tb", nodes=a.nodes, s3=False) as tb:

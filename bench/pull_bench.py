@@ -39,7 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
+from bench.bytecode import compile_trees  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402
 
 
@@ -166,6 +166,7 @@ def main() -> None:
                     help="also time the peer with `ssh -c CIPHER` (e.g. aes128-gcm@openssh.com), in the same turns")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    compile_trees(args.code, *([args.before] if args.before else []))
     if args.parts:
         parts(args.mib)
         return

@@ -31,7 +31,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
+from bench.bytecode import compile_trees  # noqa: E402
 from orchestrator.testbed import Testbed  # noqa: E402
 
 
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=7)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    compile_trees(ROOT)
     work = Path(tempfile.mkdtemp(prefix="dfo-sshbench-"))
     env = dict(os.environ, COLUMNS="200")
     cfg = work / "ssh_config"  # no ~/.ssh: the bench's own (empty) user config

@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.bytecode import compile_trees  # noqa: E402
+
 
 def dfo_argv() -> list[str]:
     script = Path(sys.executable).parent / "dfo"
@@ -116,6 +119,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=20, help="runs of each command (default 20)")
     # PYTHONPATH=DIR (a `git archive` of another commit's orchestrator/ and remote/) measures that code
     args = ap.parse_args()
+    compile_trees(*[d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d],
+                  Path(__file__).resolve().parent.parent)
     dfo = dfo_argv()
 
     print(f"python {sys.version.split()[0]} ({sys.executable}); dfo: {' '.join(dfo[:1])}; {os.cpu_count()} cores; "
