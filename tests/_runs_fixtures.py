@@ -77,8 +77,9 @@ def dfo(inv: Path, *args: str, timeout: float = 120, env: dict[str, str] | None 
     return _cli.dfo(inv, *args, timeout=timeout, env=_cli.cli_env(**(env or {})))
 
 
-def dfo_popen(inv: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return _cli.dfo_popen(inv, *args, env=_cli.cli_env(**(env or {})))
+def dfo_popen(inv: Path, *args: str, env: dict[str, str] | None = None, stderr: Any = subprocess.PIPE
+              ) -> subprocess.Popen[str]:
+    return _cli.dfo_popen(inv, *args, env=_cli.cli_env(**(env or {})), stderr=stderr)
 
 
 @dataclass

@@ -327,14 +327,21 @@ def test_exec_ctrl_c_ends_the_commands_on_the_node(testbed2, tmp_path: Path) -> 
     inv = fleet_inventory(testbed2, tmp_path)
     marker = f"fleetint{secrets.token_hex(3)}"
     w = Watched(argv(inv, "exec", "-H", n1.name, "--", "bash", "-c", f"echo started; exec -a {marker} sleep 300"),
-                env_for(None), lambda: None)
+                dict(env_for(None), PYTHONFAULTHANDLER="1"), lambda: None)
     deadline = time.monotonic() + 60
     while "started" not in w.text("out"):
         assert w.proc.poll() is None and time.monotonic() < deadline, w.text("err")
         time.sleep(0.1)
     assert node_pids(testbed2, n1, marker)
     w.proc.send_signal(signal.SIGINT)
-    assert w.wait(30) == 130
+    try:
+        code = w.wait(60)
+    except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+        w.proc.send_signal(signal.SIGABRT)
+        w.proc.wait(30)
+        time.sleep(1)
+        raise AssertionError("dfo exec outlived Ctrl-C by 60 s: " + w.text("err")[-6000:]) from None
+    assert code == 130, w.text("err")[-2000:]
     deadline = time.monotonic() + 20  # the node's wrapper writes a tick every 2 s
     while node_pids(testbed2, n1, marker):
         assert time.monotonic() < deadline, "the command outlived dfo exec"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import signal
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -184,10 +185,15 @@ def test_sampler_rows_top_plot_and_webhook_of_a_failed_run(env: RunsEnv) -> None
         assert top["run"] == run and top["state"] == "failed" and top["train"]["loss"] == 0.5
         assert top["gpus"][0]["name"] == "NVIDIA H200" and top["xid"] == 1 and top["cost"] is not None
         # the live view (off a terminal it prints each refresh): Ctrl-C ends it, exit 0
-        p = dfo_popen(env.inv, "top", "-H", env.node.name, run, "--every", "1")
+        p = dfo_popen(env.inv, "top", "-H", env.node.name, run, "--every", "1", env={"PYTHONFAULTHANDLER": "1"})
         time.sleep(4)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+            p.send_signal(signal.SIGABRT)
+            out, err = p.communicate(timeout=30)
+            raise AssertionError(f"dfo top outlived Ctrl-C by 60 s: {err[-6000:]}") from None
         assert p.returncode == 0 and "dfo top" in out and run in out, out + err
         # plot: a PNG with the right series, read back
         png = env.tmp / "loss.png"
