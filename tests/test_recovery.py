@@ -198,10 +198,20 @@ def test_a_lost_node_is_replaced_by_a_spare(make_testbed: MakeTestbed, bed_facto
     assert second.returncode == 2, second.stdout + second.stderr
     assert "another watcher holds it" in second.stderr, second.stderr
     before = bed.shipped_step()
+    run1 = bed.record()["run"]
+    # a tail of the run on the node that is lost: it stops reconnecting to that node once the record says the
+    # run is being replaced, and goes on with generation 2 on the spare (not after its 300 s reconnect budget)
+    tail = bed.start("tail.log", "tail", "-H", a.name, "-j", bed.job.name)
+    bed.wait("the tail is following", lambda: "the newest run of job" in bed.out("tail.log"), 60, [tail])
     tb.vanish(a)
     code = bed.finish(up, 300)
     out = bed.out("up.log")
     assert code == 0, out[-4000:]
+    assert bed.finish(tail, 120) == 0, bed.out("tail.log")[-4000:]
+    tailed = bed.out("tail.log")
+    assert f"--- restart: generation 2 ({a.name} lost, {spare.name} in its place): following run {run1}.g2 on " \
+           f"{spare.name} ---" in tailed, tailed[-3000:]
+    assert tailed.index("--- restart") < tailed.index(f"done: {STEPS} steps"), tailed[-3000:]
     rec = bed.record()
     assert rec["state"] == "succeeded" and rec["generation"] == 2 and rec["hosts"] == [spare.name], rec
     assert rec["lost"] == [a.name]

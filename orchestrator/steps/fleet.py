@@ -166,6 +166,31 @@ class Followed:
     current: dict[str, str | None]  # the run followed on each host (the newest, when none was named)
 
 
+REPLACED_LOOK_S = 10.0  # while a followed node is silent: how often the generation record is read
+
+
+def _replaced_check(loaded: LoadedJob | None, run: str | None) -> Callable[[], str | None] | None:
+    """For a job that recovers: while the link to a followed node is down, is its run replaced (a watcher
+    recovering it, a newer generation running)? Then tail stops reconnecting to that node and goes on with
+    the newer generation (commands/runs_follow.py) instead of spending the reconnect budget. The record
+    is read at most every REPLACED_LOOK_S; one that cannot be read answers no."""
+    if loaded is None or run is None or loaded.job.run is None or not loaded.job.run.recovers:
+        return None
+    from .recovery import replaced
+
+    looked = [0.0]
+
+    def check() -> str | None:
+        if time.monotonic() - looked[0] < REPLACED_LOOK_S:
+            return None
+        looked[0] = time.monotonic()
+        try:
+            return replaced(loaded, run)
+        except DfoError:
+            return None
+    return check
+
+
 def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follow: bool, start: int | str,
                loaded: LoadedJob | None, keep: int) -> Followed:
     """tail on every host of the session (its connections kept open), until each run has ended and its
@@ -197,7 +222,7 @@ def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follo
         if no_follow:
             return runs.read_lines(conn, ws, the_run, start, line(conn.name), job=job)
         return runs.follow(conn, ws, run=the_run, job=job, lines=start, on_line=line(conn.name),
-                           on_note=view.note(conn.name))
+                           on_note=view.note(conn.name), give_up=_replaced_check(loaded, the_run))
 
     outcomes = sess.each(one)
     code = 0

@@ -179,12 +179,15 @@ def stream(
     stall_s: float | None,
     reconnect_budget_s: float,
     to_end: bool,
+    give_up: Callable[[], str | None] | None = None,
 ) -> dict[str, Any]:
     """Stream the run's log to ``on_line`` until the node's ``follow`` returns; its data (the run).
 
     ``request`` holds workspace, job and tail. ``to_end``: stop at the log's end as it is now
     (``tail --no-follow``) instead of following until the run ends. ``reconnect_budget_s`` 0: a
-    lost connection is an error at once.
+    lost connection is an error at once. ``give_up()``, asked while the connection is lost (before each
+    attempt to reconnect), may end the wait early with a reason: ConnectionLost at once (a run that a
+    newer generation replaced elsewhere: its node may never come back).
     """
     stall_s = stall_s if stall_s is not None else float(os.environ.get("DFO_TAIL_STALL_S") or STALL_S)
     heartbeat = min(HEARTBEAT_S, stall_s / 4)
@@ -225,9 +228,10 @@ def stream(
                 if time.monotonic() - lost_since > reconnect_budget_s:
                     raise ConnectionLost(f"lost the connection for over {reconnect_budget_s:g}s: {why}", host=conn.name,
                                     hint=f"the run is not affected; resume with: {resume}") from None
+                _give_up(conn, give_up, why, resume)
                 if on_note:
                     on_note(f"connection to {conn.name} lost ({why}); reconnecting")
-                attempt = _reconnect(conn, attempt, lost_since, reconnect_budget_s, resume)
+                attempt = _reconnect(conn, attempt, lost_since, reconnect_budget_s, resume, give_up)
                 if on_note:
                     on_note(f"reconnected to {conn.name}; resuming {st.run or 'the run'} at byte {st.offset or 0}")
                 continue
@@ -242,11 +246,21 @@ def stream(
         dog.close()
 
 
-def _reconnect(conn: Transport, attempt: int, lost_since: float, budget: float, resume: str) -> int:
-    """Reconnect with exponential backoff (0.5 s doubling to 8 s) until ``budget`` s after the loss."""
+def _give_up(conn: Transport, give_up: Callable[[], str | None] | None, why: str, resume: str) -> None:
+    reason = give_up() if give_up is not None else None
+    if reason:
+        raise ConnectionLost(f"lost the connection ({why}) and {reason}: not reconnecting", host=conn.name,
+                             hint=f"resume with: {resume}")
+
+
+def _reconnect(conn: Transport, attempt: int, lost_since: float, budget: float, resume: str,
+               give_up: Callable[[], str | None] | None = None) -> int:
+    """Reconnect with exponential backoff (0.5 s doubling to 8 s) until ``budget`` s after the loss, or
+    until ``give_up()`` gives a reason."""
     while True:
         time.sleep(min(0.5 * 2 ** attempt, 8.0))
         attempt += 1
+        _give_up(conn, give_up, "no answer", resume)
         try:
             conn.reconnect()
         except HostKeyError:

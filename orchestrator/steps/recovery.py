@@ -732,6 +732,24 @@ def _iso() -> str:
 # --------------------------------------------------------------------------- tail across restarts
 
 
+def _of_lineage(doc: dict[str, Any] | None, followed: str) -> bool:
+    lineage = str((doc or {}).get("lineage") or "")
+    return bool(lineage) and (followed == lineage or followed.startswith(f"{lineage}.g"))
+
+
+def replaced(loaded: LoadedJob, followed: str) -> str | None:
+    """Why the run ``followed`` is being replaced or was (its record recovering, or a newer generation
+    running), or None. For a tail whose node went silent: no use waiting for that node."""
+    doc, _ = place(loaded).read()
+    if not doc or not _of_lineage(doc, followed):
+        return None
+    if doc.get("state") == "recovering":
+        return "the watcher is recovering the run"
+    if doc.get("state") == "running" and doc.get("run") != followed:
+        return f"generation {doc.get('generation')} of the run started (run {doc.get('run')})"
+    return None
+
+
 def next_generation(loaded: LoadedJob, followed: str, ended_ok: bool, wait_s: float = 180.0
                     ) -> dict[str, Any] | None:
     """The generation record once a newer generation of the run ``followed`` has started (tail goes on
@@ -743,8 +761,7 @@ def next_generation(loaded: LoadedJob, followed: str, ended_ok: bool, wait_s: fl
         doc, _ = where.read()
         if not doc:
             return None
-        lineage = str(doc.get("lineage") or "")
-        if not lineage or not (followed == lineage or followed.startswith(f"{lineage}.g")):
+        if not _of_lineage(doc, followed):
             return None  # another lineage (a new launch) or a job without one
         if doc.get("run") != followed and doc.get("state") == "running":
             return doc

@@ -385,16 +385,18 @@ def follow(
     stall_s: float | None = None,
     reconnect_budget_s: float = RECONNECT_BUDGET_S,
     to_end: bool = False,
+    give_up: Callable[[], str | None] | None = None,
 ) -> RunInfo:
     """Print the run's log line by line until it ends and is drained (or ``max_seconds`` pass).
 
     Returns the run as it stands at the end (``state`` is still "running" when ``max_seconds`` ran
     out first). ``lines``: start at the last N lines, or at line "+N"; None means the whole log.
     ``stall_s`` (default $DFO_TAIL_STALL_S or 8): silence after which the link counts as dead.
+    ``give_up()``: asked while the link is down, a reason ends the reconnecting at once (ConnectionLost).
     A log truncated or replaced meanwhile is followed from its new start, with a note. How it
     works: orchestrator.steps.logstream.
     """
     data = logstream.stream(conn, {"workspace": workspace, "job": job, "tail": TAIL_FOR_DIAGNOSIS}, run=run,
                             lines=lines, max_seconds=max_seconds, on_line=on_line, on_note=on_note, stall_s=stall_s,
-                            reconnect_budget_s=reconnect_budget_s, to_end=to_end)
+                            reconnect_budget_s=reconnect_budget_s, to_end=to_end, give_up=give_up)
     return RunInfo.model_validate(data)
