@@ -135,6 +135,19 @@ class Bed:
             p.wait()
             raise
 
+    def failed_not_restarted(self, up: subprocess.Popen[str], timeout: float, spare: Any, venv: str) -> dict[str, Any]:
+        """`dfo up --watch` of a run that fails on its own (exit 1): exit 5, "not restarted", generation 1 with
+        no restart recorded, and nothing launched or provisioned on the spare (no run, no ``venv``)."""
+        code = self.finish(up, timeout)
+        out = self.out("up.log")
+        assert code == 5, out[-4000:]
+        assert "not restarted" in out, out[-4000:]
+        rec = self.record()
+        assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
+        r = self.tb.ssh(spare, f"ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e {venv} && echo venv")
+        assert r.stdout.split() == ["0"], r.stdout
+        return rec
+
     def close(self) -> None:
         for p, f in self.procs:
             if p.poll() is None:
@@ -256,15 +269,8 @@ def test_a_killed_trainer_is_restarted_and_exit_1_is_not(make_testbed: MakeTestb
     bad: Bed = bed_factory(tb, "exits-1", spares=[spare.name], restarts={"max": 3, "backoff": 0},
                            fail_at=3 * SAVE + 5)
     up = bad.start("up.log", "up", "-H", a.name, "-j", bad.job.name, "--watch")
-    code = bad.finish(up, 300)
-    out = bad.out("up.log")
-    assert code == 5, out[-4000:]
-    assert "not restarted" in out, out[-4000:]
-    rec = bad.record()
-    assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
+    bad.failed_not_restarted(up, 300, spare, "/root/venv-stand-in")
     assert bad.shipped_step() == 3 * SAVE  # its last checkpoint shipped all the same
-    r = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-stand-in && echo venv")
-    assert r.stdout.split() == ["0"], r.stdout  # nothing was launched or provisioned on the spare
 
 
 @pytest.mark.timeout(480)

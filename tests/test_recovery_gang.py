@@ -94,14 +94,7 @@ def test_a_gang_restarts_on_sigkill_and_not_on_exit_1(make_testbed: MakeTestbed,
 
     bad = gang_bed("gang-exits-1", restarts={"max": 3, "backoff": 0}, fail_at=2 * SAVE + 5)
     up = bad.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bad.job.name, "--watch")
-    code = bad.finish(up, 400)
-    out = bad.out("up.log")
-    assert code == 5, out[-4000:]
-    assert "not restarted" in out, out[-4000:]
-    rec = bad.record()
-    assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
-    r2 = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-stand-in && echo venv")
-    assert r2.stdout.split() == ["0"], r2.stdout
+    bad.failed_not_restarted(up, 400, spare, "/root/venv-stand-in")
 
 
 # --------------------------------------------------------------------------- the demo trainer: DDP under torchrun
@@ -233,16 +226,9 @@ def test_a_ddp_gang_whose_rank_exits_1_is_not_restarted(make_testbed: MakeTestbe
     doc["run"]["command"] += " --exit-at-step 15 --exit-rank 1"
     bed.job.write_text(yaml.safe_dump(doc, sort_keys=False))
     up = bed.start("up.log", "up", "-H", f"{a.name},{b.name}", "-j", bed.job.name, "--watch")
-    code = bed.finish(up, 500)
-    out = bed.out("up.log")
-    assert code == 5, out[-4000:]
-    assert "not restarted" in out, out[-4000:]
-    rec = bed.record()
-    assert rec["state"] == "failed" and rec["generation"] == 1 and rec["restarts"] == [], rec
+    rec = bed.failed_not_restarted(up, 500, spare, "/root/venv-demo")
     assert rec["hosts"] == [a.name, b.name] and not rec.get("lost"), rec
     # the rank that exited is the one named, and it exited at its own step
     log = bed.run("tail", "-H", f"{a.name},{b.name}", rec["run"], "-n", "+1", timeout=120)
     assert re.search(r"^\[\S+\] rank 1: exiting with 1 at step 15 \(--exit-at-step\)$", log.stdout, re.M), \
         log.stdout[-3000:]
-    untouched = tb.ssh(spare, "ls /workspace/.dfo/runs 2>/dev/null | wc -l; test -e /root/venv-demo && echo venv")
-    assert untouched.stdout.split() == ["0"], untouched.stdout

@@ -5,9 +5,10 @@ generation's guard (WriteGuard): an old generation never overwrites a newer one'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,23 @@ from tests.test_shipper import age, make_spec
 pytestmark = pytest.mark.testbed
 
 
-@pytest.mark.parametrize("server", ["seaweedfs", "rclone"])
-def test_a_stale_writer_is_refused_and_an_old_generation_is_superseded(server: str, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _server(tmp_path: Path, server: str) -> Iterator[tuple[Any, S3Client]]:
+    """One S3 server of the testbed's kinds with a bucket "gens": (its endpoint, a client)."""
     if not find_binary("weed" if server == "seaweedfs" else "rclone"):
         pytest.skip(f"no {server} binary here")
     srv = S3Server(tmp_path / server, "127.0.0.1", server)
     ep = srv.start()
     try:
         ep.create_bucket("gens")
-        c = S3Client(ep.url, ep.region, {"access_key": ep.access_key, "secret_key": ep.secret_key})
+        yield ep, S3Client(ep.url, ep.region, {"access_key": ep.access_key, "secret_key": ep.secret_key})
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("server", ["seaweedfs", "rclone"])
+def test_a_stale_writer_is_refused_and_an_old_generation_is_superseded(server: str, tmp_path: Path) -> None:
+    with _server(tmp_path, server) as (_ep, c):
         assert gen.read(c, "gens", "runs/j/") == (None, None)
         doc, e1 = gen.write(c, "gens", "runs/j/", {"generation": 1, "run": "r"}, None)
         with pytest.raises(gen.Conflict):  # it exists now: a second creator loses
@@ -46,8 +55,6 @@ def test_a_stale_writer_is_refused_and_an_old_generation_is_superseded(server: s
         assert gen.superseded(c, "gens", "runs/j/", {"generation": 2}) is None
         assert gen.superseded(c, "gens", "runs/j/", {}) is None
         assert gen.superseded(c, "gens", "runs/other/", {"generation": 1}) is None
-    finally:
-        srv.stop()
 
 
 class _Racer(gen.WriteGuard):
@@ -89,13 +96,7 @@ def test_an_old_generation_never_overwrites_a_newer_ones_object(server: str, tmp
     the old one's look and its commit is refused by SeaweedFS (412 on the PUT and on the completion, then a
     second look) and gets through on rclone serve s3, which ignores conditions: the window docs/recovery.md
     names; a newer generation is never held back by an older one's write in that gap."""
-    if not find_binary("weed" if server == "seaweedfs" else "rclone"):
-        pytest.skip(f"no {server} binary here")
-    srv = S3Server(tmp_path / server, "127.0.0.1", server)
-    ep = srv.start()
-    try:
-        ep.create_bucket("gens")
-        c = S3Client(ep.url, ep.region, {"access_key": ep.access_key, "secret_key": ep.secret_key})
+    with _server(tmp_path, server) as (_ep, c):
         honours = server == "seaweedfs"
         files = {}
         for size, shape in ((1000, "single"), (11 * MIB, "multipart")):
@@ -131,21 +132,13 @@ def test_an_old_generation_never_overwrites_a_newer_ones_object(server: str, tmp
             res = _put(c, "gens", 4, files[shape, 1], key, guard=racer)
             assert res["ok"], res
             assert _body(c, "gens", key) == files[shape, 1].read_bytes() and c.head("gens", key)[gen.META] == "4"
-    finally:
-        srv.stop()
 
 
 def test_a_shipper_pass_of_an_old_generation_stops_at_a_newer_object(tmp_path: Path) -> None:
     """The shipper with the guard: the generation record still says 1 (the check before the pass passes: the
     newer generation started after it), but the key holds generation 2's checkpoint: the pass ships nothing
     over it, says superseded, and asks the trainer to stop (stop.json)."""
-    if not find_binary("weed"):
-        pytest.skip("no seaweedfs binary here")
-    srv = S3Server(tmp_path / "s3", "127.0.0.1", "seaweedfs")
-    ep = srv.start()
-    try:
-        ep.create_bucket("gens")
-        c = S3Client(ep.url, ep.region, {"access_key": ep.access_key, "secret_key": ep.secret_key})
+    with _server(tmp_path, "seaweedfs") as (ep, c):
         gen.write(c, "gens", "runs/j/", {"generation": 1, "run": "r"}, None)
         newer = tmp_path / "newer.pt"
         newer.write_bytes(b"generation 2's checkpoint")
@@ -166,5 +159,3 @@ def test_a_shipper_pass_of_an_old_generation_stops_at_a_newer_object(tmp_path: P
         p = shipper.run_pass(spec, str(tmp_path), final=True)
         assert p["ok"] and p["files"] == 1, p
         assert c.head("gens", "runs/j/ckpt.pt")[gen.META] == "3"
-    finally:
-        srv.stop()
