@@ -13,11 +13,11 @@ import pytest
 # ============================================================================================
 # bytecode: the suite starts hundreds of dfo processes (and its node modules on local nodes); with
 # PYTHONDONTWRITEBYTECODE set, each one compiled dfo's modules from source again (about 60 ms of CPU a
-# run). The suite writes its bytecode under .cache/pycache of the checkout instead (ignored by git; the
-# source tree stays free of __pycache__ folders), for this process and every process it starts.
+# run). The suite lets Python write its bytecode where it always does (__pycache__ beside each module,
+# ignored by git), for this process and every process it starts. Not PYTHONPYCACHEPREFIX: under a
+# prefix Python looks for no other bytecode, so every torch import compiled torch from source.
 # ============================================================================================
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(Path(__file__).resolve().parents[1] / ".cache" / "pycache")
 sys.dont_write_bytecode = False
 
 # ============================================================================================
