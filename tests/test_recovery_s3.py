@@ -65,8 +65,8 @@ class _Racer(gen.WriteGuard):
         super().__init__(client, bucket, mine)
         self.other: Callable[[], None] | None = other
 
-    def condition(self, key: str) -> dict[str, str]:
-        cond = super().condition(key)
+    def condition(self, key: str, stop: Any = None) -> dict[str, str]:
+        cond = super().condition(key, stop)
         if self.other is not None:
             other, self.other = self.other, None
             other()

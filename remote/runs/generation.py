@@ -155,12 +155,12 @@ class WriteGuard:
     def headers(self):
         return {META: str(self.mine)}
 
-    def condition(self, key):
+    def condition(self, key, stop=None):
         from remote.lib.retry import retry
         from remote.s3.errors import S3Error
 
         try:
-            seen = retry(lambda: self.client.head(self.bucket, key))
+            seen = retry(lambda: self.client.head(self.bucket, key), stop=stop)  # a stopped shipper waits no more
         except S3Error as exc:
             if exc.status == 404:
                 return {"if-none-match": "*"}

@@ -20,7 +20,7 @@ file changed while it was read or sent; nothing was completed, the next pass tri
 ``refused`` (the exception) when the guard refused the write.
 
 ``guard`` (optional; ``remote.runs.generation.WriteGuard`` for a run that recovers): ``headers()`` go on
-every object created, and ``condition(key)``, asked right before each commit (the PUT, or
+every object created, and ``condition(key, stop)``, asked right before each commit (the PUT, or
 CompleteMultipartUpload), gives the conditional headers of that commit (If-Match / If-None-Match) or
 raises an exception marked ``ends_pass`` (nothing committed). A commit refused by its condition (HTTP 412,
 or 409 for a conflicting concurrent write) is tried again with a fresh condition, ``GUARD_TRIES`` times.
@@ -229,14 +229,15 @@ class Uploader:
         """``send(headers)`` commits the object (retried); with a guard, under the condition it gives."""
         if self.guard is None:
             return self._retry(lambda: send({}))
-        for look in range(GUARD_TRIES):  # no sleep: each look sees the newer object, or commits
-            cond = self.guard.condition(key)
+        for _ in range(GUARD_TRIES - 1):  # no sleep: each look sees the newer object, or commits
+            cond = self.guard.condition(key, self.stop)
             try:
                 return self._retry(lambda cond=cond: send(cond))
             except S3Error as exc:
-                if exc.status not in (409, 412) or look == GUARD_TRIES - 1:
+                if exc.status not in (409, 412):
                     raise
-        raise AssertionError("unreachable")
+        cond = self.guard.condition(key, self.stop)
+        return self._retry(lambda: send(cond))
 
     def _read(self, resp, key):
         """The answer's body; a connection that breaks while it is read is a retryable failure."""
