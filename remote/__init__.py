@@ -21,3 +21,12 @@ if _sys.version_info < (3, 8):
         "version": _sys.version.split()[0], "executable": _sys.executable}}) + "\n")
     _sys.stdout.flush()
     _sys.exit(3)
+
+# The module command (orchestrator/agent.py) sets DFO_NODE_PYC=1 for dfo's own modules run by the host's
+# python: their content-addressed copy never changes, so their bytecode is written beside them once and
+# read by every later call (about 20 ms of the node's CPU a call). Popped at once, so a child (the
+# shipper, a pip, an import of the job's packages) keeps PYTHONDONTWRITEBYTECODE=1 and writes none.
+import os as _os
+
+if _os.environ.pop("DFO_NODE_PYC", None) == "1":
+    _sys.dont_write_bytecode = False

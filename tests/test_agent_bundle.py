@@ -9,7 +9,9 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,29 @@ def test_boot_installs_core_only_then_runs_the_module(tmp_path: Path) -> None:
     needs = agent.module_command(agent.NODE.pkgcheck, "python3")
     assert subprocess.run(["sh", "-c", needs], input=b"{}", env=env, capture_output=True).returncode == \
         agent.NEED_UPLOAD
+
+
+def test_dfo_node_code_keeps_its_bytecode_and_a_venv_python_writes_none(tmp_path: Path) -> None:
+    """The host's python writes the bytecode of dfo's node code beside it (read by every later call);
+    a call with bytecode=False (an interpreter that imports the job's packages) writes none, and the
+    switch never reaches a child: PYTHONDONTWRITEBYTECODE stays set, DFO_NODE_PYC is gone."""
+    d = tmp_path / ".cache" / "dfo" / "agent" / agent.bundle_digest()
+    req = {"op": "state", "dest": str(tmp_path / "code")}
+    assert _result(_boot(tmp_path, agent.NODE.push, req, ["core"]).stdout)["ok"]
+    assert list((d / "remote" / "files" / "__pycache__").glob("push.*.pyc")), "the boot call wrote no bytecode"
+    env = dict(os.environ, HOME=str(tmp_path))
+    env.pop("PYTHONPATH", None)
+    for bytecode in (True, False):
+        shutil.rmtree(d / "remote" / "files" / "__pycache__")
+        cmd = agent.module_command(agent.NODE.push, "python3", flags="-S", bytecode=bytecode)
+        r = subprocess.run(["sh", "-c", cmd], input=json.dumps(req).encode(), env=env, capture_output=True)
+        assert _result(r.stdout)["ok"], r.stderr
+        assert bool(list((d / "remote" / "files").glob("__pycache__/push.*.pyc"))) is bytecode
+    probe = "import os, sys, remote; print(sys.dont_write_bytecode, 'DFO_NODE_PYC' in os.environ, " \
+            "os.environ.get('PYTHONDONTWRITEBYTECODE'))"
+    out = subprocess.run([sys.executable, "-S", "-c", probe], cwd=d, capture_output=True, text=True,
+                         env=dict(env, PYTHONPATH=str(d), DFO_NODE_PYC="1", PYTHONDONTWRITEBYTECODE="1"))
+    assert out.stdout.split() == ["False", "False", "1"], (out.stdout, out.stderr)
 
 
 def test_boot_runs_on_python_3_8(tmp_path: Path) -> None:

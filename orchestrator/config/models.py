@@ -64,7 +64,7 @@ class HostEntry(Strict):
 
 
 class Inventory(Strict):
-    defaults: HostDefaults = HostDefaults()
+    defaults: HostDefaults = Field(default_factory=HostDefaults)  # a factory: no validator built at import
     hosts: dict[str, HostEntry] = {}
     groups: dict[str, list[str]] = {}
 
@@ -356,10 +356,10 @@ class Job(Strict):
     venv: NodePath = "~/venv"  # ~: the node user's home (/root/venv for root)
     installer: Literal["uv", "pip"] = "pip"
     packages: list[PackageSpec] = []
-    index: IndexConfig = IndexConfig()
+    index: IndexConfig = Field(default_factory=IndexConfig)
     overrides: list[Override] = []
     workspace: NodePath | None = None  # None: the host's (inventory), else the node's default
-    s3: S3Config = S3Config()
+    s3: S3Config = Field(default_factory=S3Config)
     model: ModelConfig | None = None
     data: DataConfig | None = None
     code: CodeConfig | None = None

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(defer_build=True, extra="allow")
 
 
 class Disk(Loose):

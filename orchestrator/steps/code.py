@@ -144,7 +144,7 @@ def _call(conn: Transport, header: dict[str, Any], payload: list[bytes] | None =
     from ..agent import NODE, run_module
 
     # -S: remote/ is stdlib only, and the node's site-packages cost its python ~10 ms to start
-    return run_module(conn, NODE.push, header, payload=payload or [], timeout=timeout, flags="-S")
+    return run_module(conn, NODE.push, header, payload=payload or [], timeout=timeout)
 
 
 def _stderr(host: str) -> Callable[[str], None]:

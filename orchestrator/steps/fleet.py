@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from ..config.models import LoadedJob
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
@@ -248,6 +248,8 @@ def follow_all(sess: HostSession, view: FollowView, *, run: str | None, no_follo
 class UpHost(BaseModel):
     """One host's steps: each is that command's --json document for the host (null: not run)."""
 
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
+
     provision: dict[str, Any] | None = None
     stage_model: dict[str, Any] | None = None
     sync_data: dict[str, Any] | None = None
@@ -257,6 +259,8 @@ class UpHost(BaseModel):
 
 class UpReport(BaseModel):
     """`up --json`: every host's steps, the step the chain stopped at (null: none), the exit code."""
+
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
 
     hosts: dict[str, UpHost]
     stopped_at: str | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from ..agent import NODE, run_module
 from ..config.models import LoadedJob, OutputsConfig
@@ -156,6 +156,8 @@ def restore_line(r: RestoreReport) -> str:
 
 class OutputsReport(BaseModel):
     """`dfo outputs --json` for one host: the run and its shipper's record (RUN_DIR/outputs.json)."""
+
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
 
     run: str
     job: str | None = None

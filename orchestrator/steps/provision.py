@@ -14,7 +14,7 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from remote.lib.redact import redact, redact_obj
 
@@ -29,6 +29,8 @@ INSTALL_TIMEOUT_S = 3600.0  # one installer call (torch wheels are large); the w
 
 class ProvisionReport(BaseModel):
     """One host's provision; its serialisation (model_dump) is the --json document for that host."""
+
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
 
     host: str = Field(exclude=True)
     ok: bool

@@ -5,10 +5,11 @@ Its serialisation (model_dump) is that host's --json document; subclasses add th
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class MoveReport(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
     host: str = Field(exclude=True)
     ok: bool = True
     status: str  # "done" | "no change"

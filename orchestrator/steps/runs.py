@@ -42,7 +42,7 @@ TAIL_FOR_DIAGNOSIS = 80
 class RunInfo(BaseModel):
     """One run as the node describes it (remote.runs.ops.describe)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(defer_build=True, extra="ignore")
 
     id: str
     job: str | None = None
@@ -102,6 +102,8 @@ class RunInfo(BaseModel):
 class RunBrief(BaseModel):
     """A run in status --json: id, job, state, exit_code, started, ended (+ a few extras)."""
 
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
+
     id: str
     job: str | None
     state: str
@@ -124,11 +126,15 @@ class RunBrief(BaseModel):
 class StatusReport(BaseModel):
     """One host's status --json document."""
 
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
+
     runs: list[RunBrief]
 
 
 class LaunchReport(BaseModel):
     """One host's launch --json document: the run started, and how it stood after the watch."""
+
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
 
     run: str
     pid: int | None
@@ -156,6 +162,8 @@ class LaunchReport(BaseModel):
 
 class StopReport(BaseModel):
     """One host's stop --json document."""
+
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
 
     run: str
     state: str

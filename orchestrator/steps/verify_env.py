@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 from ..agent import NODE, run_module
 from ..config.models import Job
@@ -87,6 +87,7 @@ def dist_name(spec: str) -> str:
 
 
 class VerifyReport(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built when first used, not at import
     host: str
     facts: NodeFacts
     packages: dict[str, str | None] = {}
