@@ -285,3 +285,48 @@ def test_shared_cli_pieces_import_nothing_heavy(module: str) -> None:
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [], (module, r.stdout)
+
+
+LEAVE = """
+import atexit, sys, threading, time
+from orchestrator import cli
+atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
+sys.stdout.write("written, not flushed\\n")
+if sys.argv[2] == "thread":
+    def late():
+        time.sleep(0.5)
+        sys.stdout.write("the thread finished\\n")
+    threading.Thread(target=late).start()
+cli._leave(None if sys.argv[1] == "none" else int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
+sys.stdout.write("not reached\\n")
+"""
+
+
+@pytest.mark.parametrize(("code", "thread", "status"), [("0", "", 0), ("4", "", 4), ("none", "", 0),
+                                                         ("no such run", "", 1), ("5", "thread", 5)])
+def test_the_console_script_leaves_with_its_code_output_and_atexit_but_no_teardown(
+        code: str, thread: str, status: int) -> None:
+    """The console script skips the interpreter's teardown (cli._leave): the exit status is sys.exit's,
+    buffered stdout arrives, atexit's handlers run, a string goes to stderr (exit 1), and a non-daemon
+    thread still running is waited for (sys.exit's way)."""
+    r = subprocess.run([sys.executable, "-c", LEAVE, code, thread or "-"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == status, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "written, not flushed" and "atexit ran" in lines and "not reached" not in lines, r
+    assert ("the thread finished" in lines) is bool(thread), r
+    assert r.stderr == ("no such run\n" if code == "no such run" else ""), r.stderr
+
+
+def test_the_console_script_exits_with_the_commands_code(tmp_path: Path) -> None:
+    """`dfo` itself (the entry point, which leaves through cli._leave): a usage error is exit 2 with its
+    message on stderr; --version prints and exits 0."""
+    dfo = Path(sys.executable).parent / "dfo"
+    if not dfo.is_file():
+        pytest.skip("no dfo console script beside this python (pip install -e .)")
+    (tmp_path / "inventory.yaml").write_text("hosts: {a: {host: 192.0.2.1}}\n")
+    r = subprocess.run([str(dfo), "-i", str(tmp_path / "inventory.yaml"), "status", "-H", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown host or group 'nope'" in r.stderr, r
+    r = subprocess.run([str(dfo), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), r
