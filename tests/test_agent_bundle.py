@@ -48,14 +48,15 @@ def test_the_parts_add_up_to_every_node_file_and_core_holds_no_packaging() -> No
     assert sizes["core"] < len(agent.bundle(None)[1]) and sizes["core"] == len(agent.bundle("core")[1])
 
 
-def _imports(path: Path) -> set[str]:
-    """remote.* modules a file imports (anywhere in it) or starts with ``-m`` (a list [.., "-m", "remote.X"])."""
+def _imports(path: Path, every: bool = False) -> set[str]:
+    """remote.* modules (``every``: all modules) a file imports (anywhere in it) or starts with ``-m`` (a list
+    [.., "-m", "remote.X"])."""
     out: set[str] = set()
     tree = ast.parse(path.read_text())
     for n in ast.walk(tree):
         if isinstance(n, ast.Import):
-            out |= {a.name for a in n.names if a.name.startswith("remote")}
-        elif isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("remote") and not n.level:
+            out |= {a.name for a in n.names if every or a.name.startswith("remote")}
+        elif isinstance(n, ast.ImportFrom) and n.module and (every or n.module.startswith("remote")) and not n.level:
             out.add(n.module)
             out |= {f"{n.module}.{a.name}" for a in n.names}
         elif isinstance(n, (ast.List, ast.Tuple)):
@@ -73,7 +74,8 @@ def _file_of(module: str) -> Path | None:
     return None
 
 
-def _reaches_vendor(entry: str) -> bool:
+def _reached(entry: str, every: bool = False) -> set[str]:
+    """Every module name an entry module's code imports, or starts with -m, transitively (from its source)."""
     seen: set[str] = set()
     todo = [entry, entry + ".__main__"]
     while todo:
@@ -81,14 +83,25 @@ def _reaches_vendor(entry: str) -> bool:
         if m in seen:
             continue
         seen.add(m)
-        if m.startswith("remote._vendor"):
-            return True
         parts = m.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # a package's __init__ runs first
         f = _file_of(m)
         if f is not None:
-            todo += sorted(_imports(f))
-    return False
+            todo += sorted(_imports(f, every))
+    return seen
+
+
+def _reaches_vendor(entry: str) -> bool:
+    return any(m.startswith("remote._vendor") for m in _reached(entry))
+
+
+def test_the_modules_run_without_site_need_only_the_standard_library() -> None:
+    """agent.SITE_FREE runs with python -S (no site-packages): nothing they reach may live there."""
+    for entry in agent.SITE_FREE:
+        outside = sorted({m.split(".")[0] for m in _reached(entry, every=True)} - set(sys.stdlib_module_names) - {"remote"})
+        assert outside == [], f"{entry} reaches {outside}: not a module for python -S"
+    assert {m.split(".")[0] for m in _reached(agent.NODE.stage, every=True)} - set(sys.stdlib_module_names) - {"remote"}, \
+        "the check sees an import of site-packages (stage-model's huggingface_hub)"
 
 
 def test_vendor_users_are_exactly_the_entry_modules_that_reach_packaging() -> None:

@@ -15,10 +15,9 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
-from rich.console import Console
 
 from remote.lib.fsutil import human_bytes  # noqa: F401 - re-exported: the one byte-size formatter
 
@@ -29,6 +28,9 @@ from ..errors import ConfigError, HostError, HostKeyError, NoResult
 from ..transport.base import Transport
 from .report import MoveReport
 from .workspace import job_workspace
+
+if TYPE_CHECKING:  # rich: only once there is a terminal to draw on (a --json run never imports it)
+    from rich.console import Console
 
 TRANSFER_TIMEOUT_S = 7 * 24 * 3600.0  # one transfer may take long; a dead link is caught by SSH keepalives
 What = Literal["data", "model"]
