@@ -74,9 +74,9 @@ class NodeModules:
 
 NODE = NodeModules()
 # entry modules of the standard library and remote/ alone, called often (status, tail, stop, sync-code, sync-data,
-# verify-env): they run with python's -S (no site module: about 9 ms less on the node each call); a child they start
-# gets no -S
-SITE_FREE = frozenset({NODE.runs, NODE.push, NODE.sync, NODE.probe})
+# verify-env, pull): they run with python's -S (no site module: about 9 ms less on the node each call); a child they
+# start gets no -S
+SITE_FREE = frozenset({NODE.runs, NODE.push, NODE.sync, NODE.probe, NODE.pull})
 NEED_UPLOAD = 97
 PY_MISSING = 127
 PARTS = ("core", "vendor")  # in the order they are installed; the node marks each: D/.complete, D/.vendor
