@@ -106,12 +106,31 @@ def parts_for(module: str) -> tuple[str, ...]:
 
 @lru_cache(maxsize=1)
 def bundle_digest() -> str:
-    """The bundle's hash alone (no tar.gz made: that costs ~50 ms, needed only to upload)."""
+    """The bundle's hash alone (no tar.gz made: that costs ~50 ms, needed only to upload). Kept in dfo's
+    cache beside the size and mtime of every file it covers: a command whose files all still match
+    reads none of them (8 ms less each command here); any difference, or no cache, hashes them again."""
+    files = _bundle_files()
+    stats: list[list[str | int]] = []
+    for p in files:
+        st = p.stat()
+        stats.append([p.relative_to(REMOTE_ROOT.parent).as_posix(), st.st_size, st.st_mtime_ns])
+    cache = _cache_dir() / "bundle-digest.json"
+    try:
+        doc = json.loads(cache.read_text())
+        if doc.get("root") == str(REMOTE_ROOT) and doc.get("files") == stats and isinstance(doc.get("digest"), str):
+            return str(doc["digest"])
+    except (OSError, ValueError, AttributeError):
+        pass
     h = hashlib.sha256()
-    for p in _bundle_files():
-        rel = p.relative_to(REMOTE_ROOT.parent).as_posix()
-        h.update(rel.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    for p, (rel, _, _) in zip(files, stats, strict=True):
+        h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
+    digest = h.hexdigest()[:16]
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(str(cache), json.dumps({"root": str(REMOTE_ROOT), "files": stats, "digest": digest}).encode())
+    except OSError:
+        pass  # no cache: the next command hashes the files again
+    return digest
 
 
 @lru_cache(maxsize=3)
@@ -150,9 +169,13 @@ def _node_key(conn: Transport) -> str:
     return f"{getattr(h, 'user', '')}@{getattr(h, 'hostname', '') or conn.name}:{getattr(h, 'port', '')}"
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo"
+
+
 def _known_path(key: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "agent-known"
-    return base / (hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
+    return _cache_dir() / "agent-known" / (hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+                                           + ".json")
 
 
 def known_parts(conn: Transport) -> set[str]:

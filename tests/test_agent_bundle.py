@@ -319,3 +319,31 @@ def test_a_fresh_node_gets_core_then_vendor_when_provision_needs_it(testbed: Tes
         assert len(calls) == 4
     finally:
         conn.close()
+
+
+def test_the_bundle_digest_is_kept_with_its_files_sizes_and_mtimes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bundle_digest reads no file while every one keeps its size and mtime (dfo's cache), and hashes them
+    again when one changes or the cache is unreadable; the value is the one the files give."""
+    root = tmp_path / "tree" / "remote"
+    shutil.copytree(agent.REMOTE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+    real = agent.bundle_digest()
+    monkeypatch.setattr(agent, "REMOTE_ROOT", root)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compute = agent.bundle_digest.__wrapped__  # past the per-process lru_cache
+    assert compute() == real  # the same files (paths and bytes) as this checkout's
+    cache = tmp_path / "cache" / "dfo" / "bundle-digest.json"
+    assert json.loads(cache.read_text())["digest"] == real
+
+    def no_read(self: Path) -> bytes:
+        raise AssertionError(f"read {self}")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_bytes", no_read)
+        assert compute() == real  # answered from the cache: no file read
+    proto = root / "_proto.py"
+    proto.write_text(proto.read_text() + "\n# changed\n")
+    changed = compute()
+    assert changed != real and json.loads(cache.read_text())["digest"] == changed
+    cache.write_text("{not json")
+    assert compute() == changed
