@@ -4,6 +4,7 @@ Every module here runs on python3 3.8+ with the standard library only, except th
 exist to drive torch/triton (remote/gpu/). Each one reads its request (JSON) from stdin and
 answers with one framed JSON document (see remote/_proto.py).
 """
+import os as _os
 import sys as _sys
 
 PROTOCOL_VERSION = 1
@@ -26,7 +27,5 @@ if _sys.version_info < (3, 8):
 # python: their content-addressed copy never changes, so their bytecode is written beside them once and
 # read by every later call (about 20 ms of the node's CPU a call). Popped at once, so a child (the
 # shipper, a pip, an import of the job's packages) keeps PYTHONDONTWRITEBYTECODE=1 and writes none.
-import os as _os
-
 if _os.environ.pop("DFO_NODE_PYC", None) == "1":
     _sys.dont_write_bytecode = False
