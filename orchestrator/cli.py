@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import select
 import sys
 import threading
 from pathlib import Path
@@ -182,7 +183,7 @@ def _leave(code: str | int | None) -> NoReturn:
     """Exit as ``sys.exit(code)`` would, without the interpreter's teardown: freeing every module's
     objects one by one took 50-70 ms after each command here (dfo status in the persist window: about
     a sixth of it). atexit's handlers run and stdout and stderr are flushed first (a flush that fails,
-    a closed pipe: exit 120, as Python's own exit gives). A thread other than daemons still running
+    the reader of a pipe gone: quiet, exit 1, as click does). A thread other than daemons still running
     (Python would wait for it) leaves through sys.exit instead."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
@@ -198,7 +199,7 @@ def _leave(code: str | int | None) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     except (OSError, ValueError):
-        status = status or 120
+        status = status or 1
     os._exit(status)
 
 
@@ -223,14 +224,35 @@ def _main(argv: list[str] | None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    except BrokenPipeError as exc:
+        if not _stdout_gone():
+            _unexpected(exc)
+        # `dfo status --help | head -1`: the reader left; quiet, exit 1, as click does for its own output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no failing flush at exit
+        sys.exit(1)
     except Exception as exc:  # noqa: BLE001 - never a bare traceback for the user
-        if os.environ.get("DFO_DEBUG"):
-            raise
-        from .terminal import clean
-
-        sys.stderr.write(f"error: unexpected {type(exc).__name__}: {clean(exc)}\n  set DFO_DEBUG=1 for a traceback\n")
-        sys.exit(EXIT_UNEXPECTED)
+        _unexpected(exc)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away (its write end reports an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _unexpected(exc: Exception) -> NoReturn:
+    """An error nobody foresaw: one line and exit 1, never a bare traceback (DFO_DEBUG=1: the traceback)."""
+    if os.environ.get("DFO_DEBUG"):
+        raise exc
+    from .terminal import clean
+
+    sys.stderr.write(f"error: unexpected {type(exc).__name__}: {clean(exc)}\n  set DFO_DEBUG=1 for a traceback\n")
+    sys.exit(EXIT_UNEXPECTED)
 
 
 if __name__ == "__main__":

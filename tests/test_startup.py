@@ -330,3 +330,16 @@ def test_the_console_script_exits_with_the_commands_code(tmp_path: Path) -> None
     assert r.returncode == 2 and "unknown host or group 'nope'" in r.stderr, r
     r = subprocess.run([str(dfo), "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip(), r
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"], ["status", "--help"]])
+def test_a_reader_that_leaves_early_gets_a_quiet_exit(argv: list[str]) -> None:
+    """`dfo ... | head -1`: the pipe's reader is gone before dfo writes: no traceback, no "Exception ignored",
+    exit 1 (as click does for its own output), whether the bytes failed in a write or in the last flush.
+    `status --help` twice: rendered, then from the help cache (written outside click)."""
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the interpreter is up: its first write or flush meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and err == "", err
