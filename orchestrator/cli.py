@@ -112,7 +112,8 @@ def cli(ctx: click.Context, inventory: str | None, verbose: bool) -> None:
     sshd and python3.
 
     \b
-    Exit codes: 0 done; 1 unexpected error; 2 bad usage or invalid inventory/job file;
+    Exit codes: 0 done; 1 unexpected error (or stdout's reader gone, as with | head);
+    2 bad usage or invalid inventory/job file;
     3 verification failed (a version, a pin, a checksum, a capacity check);
     4 host unreachable, authentication failed or host key changed;
     5 the run failed (died at launch, or ended non-zero while tailed).
