@@ -366,9 +366,14 @@ class Testbed:
             tsys.signal_pids(self._sshd_pids(st, listener=True), signal.SIGSTOP)
 
     def link_up(self, node: Node | str) -> None:
+        """Mend the cut: back once the node's sshd greets again (at most 10 s): right after
+        `ip link set up` the host's neighbour entry for the node can still be the failed one of the cut, and
+        a connection then is refused with "No route to host"."""
         st = self._st(node)
         if st.link:
             tsys.run(["ip", "link", "set", st.link, "up"])
+            with contextlib.suppress(TestbedError):  # not back in 10 s: the test's own connection says so
+                tsys.wait_banner(st.node.address, st.node.port, timeout=10)
         else:
             tsys.signal_pids(self._sshd_pids(st, listener=True), signal.SIGCONT)
 
