@@ -286,8 +286,10 @@ def test_every_command_help_lists_exit_codes() -> None:
 def test_piped_output_neither_wraps_nor_pads(henv: Env) -> None:
     e, node = henv, henv.node.name
     name = "hz-long-" + "n" * 90 + "-" + secrets.token_hex(2)  # a run id of about 120 characters
-    job, _ = e.write_job({"run": {"workdir": "/root/runs-test", "command": "echo " + "w" * 150, "wait": 0}},
-                         name=name)
+    # the sleep: the first run is still alive when launch looks (wait 0), so it prints the hints checked below;
+    # a bare echo could end first (launch then says "succeeded" and gives none)
+    job, _ = e.write_job({"run": {"workdir": "/root/runs-test", "command": "echo " + "w" * 150 + "; sleep 3",
+                                  "wait": 0}}, name=name)
     launch = e.cli("launch", "-H", node, "-j", str(job))
     assert launch.returncode == 0, launch.stderr
     run = _launch(e, job, "--force")["run"]
