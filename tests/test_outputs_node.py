@@ -391,7 +391,9 @@ def _sha(data: bytes) -> str:
 def test_on_a_node_the_real_shipper_ships_while_the_run_lives_and_the_secret_stays_in_its_memory(
         testbed: Any, tmp_path: Path) -> None:
     t = ShipBed(testbed, tmp_path)
-    job, name = t.job(n=6, d=0.7, s=0)
+    # s=6: the trainer lives about 10 s, so a shipper slow to start on a loaded machine still ships while it
+    # runs (with s=0 it lived 4.2 s, and a fresh-clone CI once saw the first object only after its end)
+    job, name = t.job(n=6, d=0.7, s=6)
     r = t.dfo("launch", "-H", t.node.name, "-j", str(job), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     run = json.loads(r.stdout)["hosts"][t.node.name]["run"]
