@@ -220,9 +220,7 @@ def module_command(module: str, python: str, env: dict[str, str] | None = None, 
     installs the missing ones, then runs the module); without it the parts' markers are checked
     and a node that lacks one exits NEED_UPLOAD. ``bytecode``: the module writes the bytecode of dfo's
     node code beside it (remote/__init__.py); False for an interpreter that imports the job's packages
-    (a venv's), which must never get bytecode written into its site-packages. A module of SITE_FREE
-    gets ``-S`` when no ``flags`` are given."""
-    flags = flags or ("-S" if module in SITE_FREE else "")
+    (a venv's), which must never get bytecode written into its site-packages."""
     digest = bundle_digest()
     pairs = {"DFO_NODE_PYC": "1"} if bytecode else {}
     pairs.update(env or {})
@@ -335,6 +333,8 @@ def run_module(
     with them, once.
     """
     py = python or conn.host.python
+    if not flags and module in SITE_FREE:
+        flags = "-S"
     text = json.dumps(request or {})
     needed = parts_for(module)
 

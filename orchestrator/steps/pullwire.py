@@ -23,7 +23,7 @@ from typing import Any
 from remote._proto import split_frame
 from remote.files.pull import HEADER, RAW_MARK
 
-from ..agent import NEED_UPLOAD, NODE, carried_parts, module_command, parse_output
+from ..agent import NEED_UPLOAD, NODE, SITE_FREE, carried_parts, module_command, parse_output
 from ..errors import VerifyError
 from ..transport.base import Result, Transport
 from .pullsink import Sink
@@ -156,7 +156,8 @@ def send(conn: Transport, python: str | None, request: dict[str, Any], sink: Sin
     for _ in range(2):
         nonce = secrets.token_hex(16)
         reader = RawReader(nonce, sink, conn.name, on_progress)
-        cmd = module_command(module, py, carry=specs or None, bytecode=python is None)
+        cmd = module_command(module, py, carry=specs or None, flags="-S" if module in SITE_FREE else "",
+                             bytecode=python is None)
         stdin = blobs + json.dumps(dict(request, op="send", nonce=nonce)).encode()
         res = conn.run_stream(cmd, on_data=reader.feed, stdin=stdin, timeout=timeout)
         if res.exit_code == NEED_UPLOAD and not reader.started:
