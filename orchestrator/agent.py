@@ -19,7 +19,6 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import re
 import shlex
 import tarfile
@@ -34,7 +33,7 @@ import remote
 from remote._proto import RESULT_PREFIX, split_frame
 from remote.lib.fsutil import write_atomic
 
-from . import nodepath
+from . import cache_dir, nodepath
 from .errors import (
     AgentMissing,
     ConfigError,
@@ -114,7 +113,7 @@ def bundle_digest() -> str:
     for p in files:
         st = p.stat()
         stats.append([p.relative_to(REMOTE_ROOT.parent).as_posix(), st.st_size, st.st_mtime_ns])
-    cache = _cache_dir() / "bundle-digest.json"
+    cache = cache_dir() / "bundle-digest.json"
     try:
         doc = json.loads(cache.read_text())
         if doc.get("root") == str(REMOTE_ROOT) and doc.get("files") == stats and isinstance(doc.get("digest"), str):
@@ -169,12 +168,8 @@ def _node_key(conn: Transport) -> str:
     return f"{getattr(h, 'user', '')}@{getattr(h, 'hostname', '') or conn.name}:{getattr(h, 'port', '')}"
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo"
-
-
 def _known_path(key: str) -> Path:
-    return _cache_dir() / "agent-known" / (hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return cache_dir() / "agent-known" / (hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20]
                                            + ".json")
 
 

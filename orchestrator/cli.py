@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import click
 
-from . import __version__
+from . import __version__, cache_dir
 from .errors import EXIT_UNEXPECTED, DfoError
 
 # name -> (module under orchestrator.commands, attribute, short help); the order of `dfo --help`
@@ -140,7 +140,7 @@ def _help_cache(args: list[str]) -> Path | None:
         st = f.stat()
         key.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
     name = hashlib.sha256("\0".join(key).encode()).hexdigest()[:24]
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "help" / f"{args[0]}-{name}.txt"
+    return cache_dir() / "help" / f"{args[0]}-{name}.txt"
 
 
 def _help(args: list[str], cache: Path) -> int:

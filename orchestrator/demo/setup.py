@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import cache_dir
 from ..errors import HostError
 
 # the demo's job and trainer: package data, so the demo runs from an installed wheel as from a checkout
@@ -31,7 +32,7 @@ def default_wheels() -> Path:
     root = checkout()
     if root is not None:
         return root / ".cache" / "demo-wheels"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "demo-wheels"
+    return cache_dir() / "demo-wheels"
 
 
 DEFAULT_WHEELS = default_wheels()

@@ -27,6 +27,7 @@ from pathlib import Path
 from remote.lib.fsutil import human_bytes, write_atomic
 from remote.lib.globpat import compile_rules
 
+from .. import cache_dir
 from ..errors import ConfigError
 
 BIG_FILE = 100 * 1000 * 1000  # bytes: a file over this is warned about before it travels
@@ -315,7 +316,7 @@ class Reader:
 
 
 def _cache_path(source: Path) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
+    base = cache_dir() / "code"
     return base / (hashlib.sha256(str(source).encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
 
 
@@ -392,7 +393,7 @@ def manifest_view(files: dict[str, LocalFile]) -> dict[str, dict[str, object]]:
 
 
 def _pushed_path(node: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfo" / "code"
+    base = cache_dir() / "code"
     return base / ("node-" + hashlib.sha256(node.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json")
 
 

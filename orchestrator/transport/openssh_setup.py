@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import cache_dir
 from ..errors import ConfigError, HostError
 
 MIN_VERSION = (8, 0)
@@ -64,15 +65,10 @@ CIPHERS_FIRST = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 CIPHERS_FIRST_SINCE = (8, 1)
 
 
-def _cache_home() -> Path:
-    """dfo's cache folder: $XDG_CACHE_HOME/dfo, else ~/.cache/dfo (as the rest of dfo's caches)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dfo"
-
-
 def state_dir() -> Path:
     """dfo's own folder for ssh: 0700, created on first use (control sockets, config files)."""
     run = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else _cache_home() / "ssh"
+    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else cache_dir() / "ssh"
     try:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = base.stat()
@@ -101,7 +97,7 @@ def ssh_version(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
-    cache = _cache_home() / "ssh-version"
+    cache = cache_dir() / "ssh-version"
     try:
         k, _, v = cache.read_text().partition("\n")
         if k == key:
