@@ -21,6 +21,11 @@ inventory sets ssh_persist 0, so no shared connection outlives a command; for rs
 tools in turn (their order rotates each round), best and median are reported, and the ratios
 are dfo / rsync and dfo / tar (lower is better; the goal is at most 1.0x rsync in every case).
 tar has no notion of "changed": it sends everything each time.
+``--shared`` adds two tools timed in the same rounds: "dfo-shared", dfo with the inventory's default
+connection sharing (``ssh_persist`` 60 s: each command runs within the persist window of the one
+before, the way a user's edit-push loop runs), and "rsync-shared", rsync over an ssh given the same
+sharing (ControlMaster auto, ControlPersist 60 s), so each tool's figure with a shared connection
+stands beside the other's, as each without one does.
 rsync must be installed here (the testbed node shares this machine's /usr, so it has it too).
 Beside the wall times: the CPU time each command used on this machine (user + system of its
 processes: a busy machine changes it least), and the floor every tool stands on (`ssh node
@@ -120,6 +125,9 @@ def main() -> None:
                     help="the dfo checkout whose code is timed (e.g. an export of main, for a before/after)")
     ap.add_argument("--compare-root", help="a second dfo checkout timed in turn too, as dfo-b (before/after)")
     ap.add_argument("--first-only", action="store_true", help="time only the first push (to a fresh node)")
+    ap.add_argument("--shared", action="store_true",
+                    help="also time dfo and rsync over a shared connection (ControlMaster, 60 s), as dfo-shared "
+                         "and rsync-shared")
     ap.add_argument("--out", default=str(ROOT / "bench/results/code.json"))
     args = ap.parse_args()
     compile_trees(args.dfo_root, *([args.compare_root] if args.compare_root else []))
@@ -139,6 +147,9 @@ def main() -> None:
         inv["defaults"]["ssh_persist"] = 0
         inv_path = work / "inventory.yaml"
         inv_path.write_text(yaml.safe_dump(inv))
+        inv["defaults"]["ssh_persist"] = 60  # dfo's default: a shared connection lives 60 s after a command
+        shared_inv = work / "inventory-shared.yaml"
+        shared_inv.write_text(yaml.safe_dump(inv))
         ssh = tb.ssh_argv(node)[:-1]  # without user@host
         target = tb.ssh_argv(node)[-1]
         ssh_cmd = " ".join(shlex.quote(a) for a in ssh[1:])
@@ -146,16 +157,19 @@ def main() -> None:
         dfo_root = Path(args.dfo_root).resolve()
         tb.ssh(node, "python3 -c 1")  # host key recorded, node warm
 
-        def dfo_push(dest: str, root: Path | None = None) -> float:
+        def dfo_push(dest: str, root: Path | None = None, inventory: Path = inv_path) -> float:
             job = work / "job.yaml"
             job.write_text(yaml.safe_dump({"name": "bench", "venv": "/usr",
                                            "code": {"source": str(repo), "dest": dest}}))
-            return timed([sys.executable, "-m", "orchestrator.cli", "-i", str(inv_path), "sync-code", "-H",
+            return timed([sys.executable, "-m", "orchestrator.cli", "-i", str(inventory), "sync-code", "-H",
                           node.name, "-j", str(job)], env=env, cwd=root or dfo_root)
 
-        def rsync_push(dest: str) -> float:
+        share = ["-o", "ControlMaster=auto", "-o", f"ControlPath={work}/rsync-cm-%C", "-o", "ControlPersist=60"]
+
+        def rsync_push(dest: str, shared: bool = False) -> float:
             tb.node_exec(node, f"mkdir -p {dest}")
-            return timed(["rsync", "-a", "--delete", "-e", "ssh " + ssh_cmd, f"{repo}/", f"{target}:{dest}/"])
+            e = "ssh " + ssh_cmd + (" " + " ".join(shlex.quote(a) for a in share) if shared else "")
+            return timed(["rsync", "-a", "--delete", "-e", e, f"{repo}/", f"{target}:{dest}/"])
 
         def tar_push(dest: str) -> float:
             remote = shlex.quote(f"mkdir -p {dest} && tar -xf - -C {dest}")
@@ -165,6 +179,9 @@ def main() -> None:
         if args.compare_root:  # another dfo checkout, timed in turn with the others ("dfo-b")
             other = Path(args.compare_root).resolve()
             tools["dfo-b"] = lambda dest: dfo_push(dest, other)
+        if args.shared:
+            tools["dfo-shared"] = lambda dest: dfo_push(dest, inventory=shared_inv)
+            tools["rsync-shared"] = lambda dest: rsync_push(dest, shared=True)
         cases: tuple[str, ...] = ("first",) if args.first_only else ("first", "no change", "one change")
         results: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
         cpu: dict[str, dict[str, list[float]]] = {t: {c: [] for c in cases} for t in tools}
@@ -210,6 +227,14 @@ def main() -> None:
             print(f"{label:<18}{d:>9.3f}{r:>9.3f}{t:>9.3f}{d / r:>10.2f}x{d / t:>8.2f}x"
                   + (f"{cmed['dfo'][c]:>9.3f}{cmed['rsync'][c]:>10.3f}{cmed['tar'][c]:>9.3f}" if what == "median"
                      else ""))
+    if "dfo-shared" in results:
+        print("over a shared connection (ControlMaster, within its 60 s), each command after the one before:")
+        print(f"{'case':<18}{'dfo-sh s':>10}{'rsync-sh s':>11}{'dfo-sh/rsync-sh':>16}{'dfo-sh/rsync':>13}")
+        for c in cases:
+            for what, fig in (("median", med), ("best", best)):
+                d, r, r0 = fig["dfo-shared"][c], fig["rsync-shared"][c], fig["rsync"][c]
+                label = f"{c} {what}" if what == "median" else "  best"
+                print(f"{label:<18}{d:>10.3f}{r:>11.3f}{d / r:>15.2f}x{d / r0:>12.2f}x")
     for k, v in base.items():
         print(f"  floor: {k:<60}{v:.3f} s")
     out = Path(args.out)

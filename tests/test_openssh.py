@@ -468,3 +468,61 @@ def test_ssh_g_proxy_jump_is_rewritten_as_fabric_parses_a_hop() -> None:
     assert _fabric_jump("root@1.1.1.1,root@[2.2.2.2]:2222") == "root@1.1.1.1,root@2.2.2.2:2222"
     assert _fabric_jump("[gpu-a]:22,u@gpu-b") == "gpu-a:22,u@gpu-b"
     assert _fabric_jump("u@[fe80::1]") == "u@fe80::1"
+
+
+def _sshd_log(tb: Any, node: Any) -> str:
+    return (Path(tb.workdir) / node.name / "sshd.log").read_text(errors="replace")
+
+
+def _ssh_of(folder: Path) -> list[int]:
+    """Pids of the ssh processes whose command line names ``folder`` (a connection's config, a master)."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # a master names itself "ssh: SOCKET [mux]" once it runs in the background
+        if argv and (argv[0].endswith(b"ssh") or argv[0].startswith(b"ssh:")) and \
+                any(str(folder).encode() in a for a in argv):
+            out.append(int(p.name))
+    return out
+
+
+@on_testbed
+def test_ssh_persist_zero_one_connection_per_command_and_warm(testbed: Any, tmp_path: Path,
+                                                              runtime_dir: Path) -> None:
+    """ssh_persist 0 (no connection outlives a command): a command's calls still share ONE connection,
+    which ends with the command; warm() makes that connection in the background and the calls made
+    meanwhile wait for it and go over it."""
+    from orchestrator.config.models import load_inventory
+    from orchestrator.transport import open_connection
+    from orchestrator.transport.resolve import resolve_host
+
+    node = testbed.nodes[0]
+    inv_path = inventory(testbed, tmp_path, defaults={"transport": "openssh", "ssh_persist": 0})
+    inv, p = load_inventory(inv_path)
+    conn = open_connection(resolve_host(inv, node.name, p))
+    before = _sshd_log(testbed, node).count("Accepted publickey")
+    try:
+        conn.warm()
+        warming = getattr(conn, "_warming", None)
+        assert warming is not None, "warm() started no connection"
+        results = [conn.run(f"echo call-{i}") for i in range(3)]
+        assert [r.stdout.strip() for r in results] == ["call-0", "call-1", "call-2"]
+        assert not warming.is_alive()
+        log = _sshd_log(testbed, node)
+        assert log.count("Accepted publickey") - before == 1, log[-2000:]
+        assert _ssh_of(runtime_dir), "no master kept the connection while the command ran"
+    finally:
+        conn.close()
+    deadline = time.monotonic() + 10
+    while _ssh_of(runtime_dir) and time.monotonic() < deadline:  # close() asked the master to exit
+        time.sleep(0.1)
+    assert _ssh_of(runtime_dir) == [] and _masters(runtime_dir) == set()
+    assert not list(runtime_dir.glob("c-*")), list(runtime_dir.iterdir())
+    # a whole command over the CLI: its status call and the next command's, one connection each
+    before = _sshd_log(testbed, node).count("Accepted publickey")
+    for _ in range(2):
+        assert dfo(inv_path, "status", "-H", node.name).returncode == 0
+    assert _sshd_log(testbed, node).count("Accepted publickey") - before == 2

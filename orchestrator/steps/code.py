@@ -128,6 +128,10 @@ class Local:
                 self.digest = digest_of(manifest_view(self.files))
         return manifest_view(self.files)
 
+    def busy(self) -> bool:
+        """Still listing or hashing."""
+        return self._thread.is_alive()
+
     def result(self) -> Local:
         while self._thread.is_alive():
             self._thread.join(0.25)  # in slices: Ctrl-C reaches the main thread at once
@@ -279,6 +283,8 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
         except BaseException:
             ahead.cancel()
             raise
+    if ahead is None and local.busy():  # the connection is made while the code here is still listed
+        conn.warm()
     local.result()
     files = local.files
     base: dict[str, Any] | None = None

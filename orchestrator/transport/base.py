@@ -73,6 +73,13 @@ class Transport(ABC):
     def reconnect(self) -> None:
         self.close()
 
+    def warm(self) -> None:
+        """Start connecting now, in the background, for a caller that has work of its own to do here
+        before its first call (sync-code lists and hashes the code first). The first call then waits for
+        that connection instead of making its own. A failure is not raised here: that call meets it
+        again and raises it. The default: nothing (the first call connects)."""
+        return None
+
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./:=,+-")
 _ESC = [chr(b) if b in _SAFE else f"\\{b:03o}" for b in range(256)]

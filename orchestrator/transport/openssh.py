@@ -88,6 +88,7 @@ class OpenSSH(Transport):
         self._pass_over = False  # the user's own master does not answer: this transport no longer uses it
         self._running: set[subprocess.Popen[bytes]] = set()  # the ssh of each call in flight
         self._closed: set[subprocess.Popen[bytes]] = set()  # ... of those, the ones close() ended
+        self._warming: threading.Thread | None = None  # warm()'s call, which the first calls wait for
 
     # ---------------------------------------------------------------- set-up
     def _prepared(self) -> keys.Prepared:
@@ -101,6 +102,7 @@ class OpenSSH(Transport):
         transport), forget this connection's set-up, and with ``ssh_persist: 0`` end the shared master."""
         with self._lock:
             prep, self._prep = self._prep, None
+            self._warming = None
             running = list(self._running)
             self._closed.update(running)
         for proc in running:
@@ -130,6 +132,33 @@ class OpenSSH(Transport):
                 self._pass_over = True
         self.close()
         self.run("true", timeout=self.host.connect_timeout + 10)
+
+    def warm(self) -> None:
+        """Make the shared connection now, in a thread, unless a master already answers (Transport.warm):
+        the calls made meanwhile wait for it, then go over it. Its failure is not said here."""
+        prep = self._prepared()
+        with self._lock:
+            if self._warming is not None or self._pass_over or prep.control is None:
+                return
+            if setup.master_answers(str(prep.control)) is True:
+                return
+            self._warming = threading.Thread(target=self._warm_call, daemon=True, name=f"dfo-warm-{self.name}")
+            self._warming.start()
+
+    def _warm_call(self) -> None:
+        try:
+            self.run("true", timeout=self.host.connect_timeout + 10)
+        except Exception:  # noqa: BLE001 - the caller's own first call meets it again, and raises it
+            pass
+
+    def _wait_warm(self) -> None:
+        """A call made while warm()'s is under way waits for it (in slices: Ctrl-C acts at once), so that
+        it goes over the connection that call makes instead of making a second one."""
+        w = self._warming
+        if w is None or w is threading.current_thread():
+            return
+        while w.is_alive():
+            w.join(SLICE_S)
 
     def _argv(self, prep: keys.Prepared, remote: str, fresh: bool) -> list[str]:
         argv = [prep.ssh, "-F", str(prep.config), "-T"]
@@ -181,6 +210,7 @@ class OpenSSH(Transport):
     def _run(self, command: str, timeout: float | None, stdin: bytes | str | None,
              sink: Callable[[], _Collector | _Stream], big_pipe: bool = False) -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
+        self._wait_warm()
         start = time.monotonic()
         prep = self._prepared()
         payload = stdin.encode() if isinstance(stdin, str) else stdin

@@ -180,7 +180,10 @@ def prepare(host: ResolvedHost) -> Prepared:
                                      strict_hops, host.ssh_options, mine)
         own = True
     else:
-        control, own = None, True
+        # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
+        # share one connection, which ends with it (close(): ssh -O exit; ControlPersist a few seconds
+        # after a dfo that was killed)
+        control, own = setup.control_path(folder, folder.name), True
     return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops)
 
 
