@@ -40,7 +40,8 @@ from . import openssh_setup as setup
 from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
-PERSIST_OFF_S = 5  # ssh_persist 0: how long a master outlives a dfo that could not end it (killed)
+PERSIST_OFF_S = 1  # ssh_persist 0: the command's own master ends this long after its last call (its socket
+#                    is gone with the connection's folder at close(), so nothing else can use it meanwhile)
 AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
 SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
 PIPE_BIG = 1 << 20  # run_stream: ssh's stdout pipe is grown to this (fewer wake-ups per byte), when Linux lets it
@@ -99,7 +100,8 @@ class OpenSSH(Transport):
 
     def close(self) -> None:
         """End the calls in flight (their ssh: they raise ConnectionLost, as on a closed paramiko
-        transport), forget this connection's set-up, and with ``ssh_persist: 0`` end the shared master."""
+        transport), forget this connection's set-up; with ``ssh_persist: 0`` the master's socket goes with its
+        folder, and the master ends PERSIST_OFF_S after its last call."""
         with self._lock:
             prep, self._prep = self._prep, None
             self._warming = None
@@ -112,9 +114,7 @@ class OpenSSH(Transport):
         try:
             keys.merge_new_keys(self.host, prep)
         finally:
-            if self.host.ssh_persist <= 0 and prep.own_control and prep.control is not None:
-                _exit_master(prep)
-            shutil.rmtree(prep.folder, ignore_errors=True)
+            shutil.rmtree(prep.folder, ignore_errors=True)  # with ssh_persist 0, the master's socket too
 
     def reconnect(self) -> None:
         """The connection is suspect (a stream went silent, a call lost it): the next calls go over a new
@@ -169,7 +169,7 @@ class OpenSSH(Transport):
         if fresh:
             argv += ["-o", "ControlMaster=no", "-o", "ControlPath=none"]
         elif prep.own_control and prep.control is not None:
-            # ssh_persist 0: shared while dfo runs (close() ends it), PERSIST_OFF_S at most after a killed dfo
+            # ssh_persist 0: shared while dfo runs, then PERSIST_OFF_S (asking it to exit costs a process more)
             persist = max(1, round(self.host.ssh_persist)) if self.host.ssh_persist > 0 else PERSIST_OFF_S
             argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={setup.q(setup.pct(str(prep.control)))}",
                      "-o", f"ControlPersist={persist}s"]
@@ -347,16 +347,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             pass
     except OSError:
-        pass
-
-
-def _exit_master(prep: keys.Prepared) -> None:
-    """Ask dfo's master to end now (``ssh -O exit``; a master that does not answer ends PERSIST_OFF_S later)."""
-    try:
-        subprocess.run([prep.ssh, "-F", str(prep.config), "-O", "exit", "-o",
-                        f"ControlPath={setup.q(setup.pct(str(prep.control)))}", "dfo-master"],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3)
-    except (OSError, subprocess.TimeoutExpired):
         pass
 
 

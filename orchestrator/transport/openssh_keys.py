@@ -181,8 +181,8 @@ def prepare(host: ResolvedHost) -> Prepared:
         own = True
     else:
         # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
-        # share one connection, which ends with it (close(): ssh -O exit; ControlPersist a few seconds
-        # after a dfo that was killed)
+        # share one connection; close() removes the socket with the folder, and the master ends
+        # openssh.PERSIST_OFF_S after its last call
         control, own = setup.control_path(folder, folder.name), True
     return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops)
 

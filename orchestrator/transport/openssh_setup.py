@@ -24,8 +24,10 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
   then the user's own known_hosts files (so keys the user's ssh already trusts are trusted), and
   StrictHostKeyChecking yes for the hops a @cert-authority line covers (a certificate, or a key recorded
   by hand; never first use).
-* Connection sharing: ControlMaster auto, ControlPersist ``defaults.ssh_persist`` (60 s; 0: off),
-  ControlPath in dfo's folder (``cm-`` + a hash of user, host, port, path and config). A user whose
+* Connection sharing: ControlMaster auto, ControlPersist ``defaults.ssh_persist`` (60 s),
+  ControlPath in dfo's folder (``cm-`` + a hash of user, host, port, path and config). With 0, no
+  connection outlives the command: its calls share a master of its own, whose socket lives in the
+  connection's own folder (removed at close) and which ends a second after its last call. A user whose
   ssh_config sets a ControlPath for the host keeps theirs (dfo passes none of its own). A master
   that does not answer the mux hello within MUX_PROBE_S is treated as dead: its socket is removed
   (dfo's own) or passed over (the user's), and the command goes over a fresh connection.
