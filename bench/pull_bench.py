@@ -10,7 +10,9 @@ fsync, the sha256 read back from disk) and `ssh -F <the same ssh_config> ... HOS
 system client, its own connection each time; dfo's shared connection is up from the warm-up, as it is
 for a user within ssh_persist; ``--peer-cipher C``: also `ssh -c C ... cat`, in the same turns). Best
 and median wall time of each, their ratio (peer time / dfo time: 1.0x means as fast as ssh cat; the goal
-is >= 0.8x) and MB/s.
+is >= 0.8x) and MB/s. Then the CPU seconds of each: this machine's side (the processes the bench
+started), and the whole machine's (/proc/stat), which, since the testbed node runs here, counts both
+ends of the transfer: what each tool costs per GiB in all, the bound on two shared cores.
 
 ``--parts``: only the CPU per GiB of dfo's own two stages (the node's send, the controller's reader),
 without SSH. ``--code DIR``: run the dfo of another checkout (its orchestrator/ and remote/), e.g. main's, for a
@@ -50,6 +52,20 @@ def dfo_argv(code: Path) -> list[str]:
 
 
 CPU: dict[str, list[float]] = {}  # what -> CPU seconds (user + system) of the processes this bench started
+MACHINE: dict[str, list[float]] = {}  # what -> CPU seconds the whole machine was busy (both ends: the node is here)
+
+
+def _machine_busy() -> float:
+    """CPU seconds this machine has been busy since boot, all cores (/proc/stat: user, nice, system, irq,
+    softirq); 0.0 where there is no /proc/stat. The testbed's node runs on this machine too, so a run's
+    difference counts both ends of the transfer (sshd, the node's python, ssh, dfo), and other work."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / ticks
 
 
 def _children_cpu() -> float:
@@ -60,14 +76,16 @@ def _children_cpu() -> float:
 def timed(argv: list[str], env: dict[str, str], stdout: Path | None = None, what: str = "") -> float:
     """Wall seconds of one run; its CPU (this machine's side: dfo's Python and its ssh client, or the
     peer's ssh client; not a ControlMaster that outlives the call, nor the node's side) goes to CPU."""
-    t0, c0 = time.perf_counter(), _children_cpu()
+    t0, c0, m0 = time.perf_counter(), _children_cpu(), _machine_busy()
     with open(stdout, "wb") if stdout is not None else open(os.devnull, "wb") as out:
         r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, env=env, timeout=900, stdin=subprocess.DEVNULL)
     dt = time.perf_counter() - t0
+    m1 = _machine_busy()
     if r.returncode != 0:
         raise SystemExit(f"pull_bench: {' '.join(argv)} exited {r.returncode}: {r.stderr.decode()[-600:]}")
     if what:
         CPU.setdefault(what, []).append(_children_cpu() - c0)
+        MACHINE.setdefault(what, []).append(m1 - m0)
     return dt
 
 
@@ -252,6 +270,11 @@ def main() -> None:
             for what, secs in CPU.items():
                 med = statistics.median(secs)
                 print(f"  {what:44} {med:6.2f} s  ({med / (nbytes / 2**30):.2f} s per GiB)")
+            print("CPU seconds of the whole machine per run (median; both ends of the transfer, since the node runs "
+                  f"here too, on {os.cpu_count()} cores):")
+            for what, secs in MACHINE.items():
+                med = statistics.median(secs)
+                print(f"  {what:44} {med:6.2f} s  ({med / (nbytes / 2**30):.2f} s per GiB)")
             if args.parallel:
                 results.append(parallel(tb, node, cfg, work, workdir, nbytes, env, args.n))
             load = os.getloadavg()
@@ -259,7 +282,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        args.out.write_text(json.dumps({"results": results, "cpu": CPU, "load": os.getloadavg()}, indent=1))
+        args.out.write_text(json.dumps({"results": results, "cpu": CPU, "machine_cpu": MACHINE,
+                                        "load": os.getloadavg()}, indent=1))
 
 
 def parallel(tb: Testbed, node: object, cfg: Path, work: Path, workdir: str, nbytes: int, env: dict[str, str],

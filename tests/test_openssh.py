@@ -508,21 +508,64 @@ def test_ssh_persist_zero_one_connection_per_command_and_warm(testbed: Any, tmp_
         conn.warm()
         warming = getattr(conn, "_warming", None)
         assert warming is not None, "warm() started no connection"
+        warming.thread.join(30)
+        assert warming.error is None, warming.error
+        log = _sshd_log(testbed, node)
+        assert log.count("Accepted publickey") - before == 1, log[-2000:]  # warm()'s own, before any call
         results = [conn.run(f"echo call-{i}") for i in range(3)]
         assert [r.stdout.strip() for r in results] == ["call-0", "call-1", "call-2"]
-        assert not warming.is_alive()
         log = _sshd_log(testbed, node)
-        assert log.count("Accepted publickey") - before == 1, log[-2000:]
+        assert log.count("Accepted publickey") - before == 1, log[-2000:]  # ... which the calls went over
         assert _ssh_of(runtime_dir), "no master kept the connection while the command ran"
     finally:
         conn.close()
-    deadline = time.monotonic() + 10
-    while _ssh_of(runtime_dir) and time.monotonic() < deadline:  # close() asked the master to exit
-        time.sleep(0.1)
-    assert _ssh_of(runtime_dir) == [] and _masters(runtime_dir) == set()
+    deadline = time.monotonic() + 5
+    while _ssh_of(runtime_dir) and time.monotonic() < deadline:  # close() asked the master to end
+        time.sleep(0.05)
+    assert _ssh_of(runtime_dir) == [], "the command's own master outlived it"
     assert not list(runtime_dir.glob("c-*")), list(runtime_dir.iterdir())
     # a whole command over the CLI: its status call and the next command's, one connection each
     before = _sshd_log(testbed, node).count("Accepted publickey")
     for _ in range(2):
         assert dfo(inv_path, "status", "-H", node.name).returncode == 0
     assert _sshd_log(testbed, node).count("Accepted publickey") - before == 2
+
+
+def test_a_warm_call_that_failed_is_raised_by_the_call_that_waited_not_tried_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm()'s call could not connect: the first call raises that error (exit 4) without a second
+    attempt, so an unreachable host costs one connect timeout, not two; later calls try again."""
+    from orchestrator.config.models import load_inventory
+    from orchestrator.errors import HostError
+    from orchestrator.transport import open_connection
+    from orchestrator.transport import openssh as mod
+    from orchestrator.transport.resolve import resolve_host
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("DFO_SSH_CONFIG", str(tmp_path / "ssh_config"))
+    (tmp_path / "ssh_config").write_text("")
+    inv_path = tmp_path / "inventory.yaml"
+    inv_path.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}, connect_timeout: 2, transport: openssh}}\n"
+                        "hosts:\n  a: {host: 127.0.0.1, port: 1}\n")
+    inv, p = load_inventory(inv_path)
+    conn = open_connection(resolve_host(inv, "a", p))
+    assert isinstance(conn, mod.OpenSSH)
+    spawned: list[list[str]] = []
+    real = subprocess.Popen
+
+    def counted(argv: Any, *a: Any, **kw: Any) -> Any:
+        spawned.append(list(argv))
+        return real(argv, *a, **kw)
+
+    monkeypatch.setattr(mod.subprocess, "Popen", counted)
+    try:
+        conn.warm()
+        with pytest.raises(HostError) as ei:
+            conn.run("true")
+        assert ei.value.exit_code == 4
+        assert len(spawned) == 1, spawned  # warm()'s ssh only: the waiting call raised its error
+        with pytest.raises(HostError):
+            conn.run("true")  # the next call tries again on its own
+        assert len(spawned) == 2, spawned
+    finally:
+        conn.close()

@@ -76,8 +76,8 @@ class Transport(ABC):
     def warm(self) -> None:
         """Start connecting now, in the background, for a caller that has work of its own to do here
         before its first call (sync-code lists and hashes the code first). The first call then waits for
-        that connection instead of making its own. A failure is not raised here: that call meets it
-        again and raises it. The default: nothing (the first call connects)."""
+        that connection instead of making its own, and raises its failure (a host that cannot be reached
+        is tried once). The default: nothing (the first call connects)."""
         return None
 
 

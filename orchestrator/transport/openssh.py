@@ -34,14 +34,14 @@ import time
 from collections.abc import Callable
 
 from ..config.models import ResolvedHost
-from ..errors import ConnectionLost, HostError
+from ..errors import ConnectionLost, DfoError, HostError, HostKeyError
 from . import openssh_keys as keys
 from . import openssh_setup as setup
 from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
-PERSIST_OFF_S = 1  # ssh_persist 0: the command's own master ends this long after its last call (its socket
-#                    is gone with the connection's folder at close(), so nothing else can use it meanwhile)
+PERSIST_OFF_S = 10  # ssh_persist 0: the command's own master ends at close() (mux terminate); this long after
+#                     its last call when dfo was killed, or when calls are further apart than this
 AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
 SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
 PIPE_BIG = 1 << 20  # run_stream: ssh's stdout pipe is grown to this (fewer wake-ups per byte), when Linux lets it
@@ -89,7 +89,7 @@ class OpenSSH(Transport):
         self._pass_over = False  # the user's own master does not answer: this transport no longer uses it
         self._running: set[subprocess.Popen[bytes]] = set()  # the ssh of each call in flight
         self._closed: set[subprocess.Popen[bytes]] = set()  # ... of those, the ones close() ended
-        self._warming: threading.Thread | None = None  # warm()'s call, which the first calls wait for
+        self._warming: _Warm | None = None  # warm()'s call, which the calls made meanwhile wait for
 
     # ---------------------------------------------------------------- set-up
     def _prepared(self) -> keys.Prepared:
@@ -100,8 +100,7 @@ class OpenSSH(Transport):
 
     def close(self) -> None:
         """End the calls in flight (their ssh: they raise ConnectionLost, as on a closed paramiko
-        transport), forget this connection's set-up; with ``ssh_persist: 0`` the master's socket goes with its
-        folder, and the master ends PERSIST_OFF_S after its last call."""
+        transport), forget this connection's set-up, and with ``ssh_persist: 0`` end the command's own master."""
         with self._lock:
             prep, self._prep = self._prep, None
             self._warming = None
@@ -114,7 +113,9 @@ class OpenSSH(Transport):
         try:
             keys.merge_new_keys(self.host, prep)
         finally:
-            shutil.rmtree(prep.folder, ignore_errors=True)  # with ssh_persist 0, the master's socket too
+            if self.host.ssh_persist <= 0 and prep.own_control and prep.control is not None:
+                setup.end_master(str(prep.control))  # no connection outlives the command
+            shutil.rmtree(prep.folder, ignore_errors=True)
 
     def reconnect(self) -> None:
         """The connection is suspect (a stream went silent, a call lost it): the next calls go over a new
@@ -134,31 +135,51 @@ class OpenSSH(Transport):
         self.run("true", timeout=self.host.connect_timeout + 10)
 
     def warm(self) -> None:
-        """Make the shared connection now, in a thread, unless a master already answers (Transport.warm):
-        the calls made meanwhile wait for it, then go over it. Its failure is not said here."""
+        """Make dfo's shared connection now, in a thread (Transport.warm); a call made meanwhile waits for
+        it and goes over it. Nothing is done where a master of dfo's already answers, nor for a ControlPath
+        of the user's (their ssh_config decides whether it is shared). Raises only what the first call
+        would raise before it connects (ConfigError: no usable ssh, a damaged known_hosts)."""
         prep = self._prepared()
+        if not prep.own_control or prep.control is None:
+            return
         with self._lock:
-            if self._warming is not None or self._pass_over or prep.control is None:
+            if self._warming is not None or self._pass_over or self._prep is not prep:
                 return
-            if setup.master_answers(str(prep.control)) is True:
-                return
-            self._warming = threading.Thread(target=self._warm_call, daemon=True, name=f"dfo-warm-{self.name}")
-            self._warming.start()
+            self._warming = _Warm(self.name, lambda warm: self._warm_call(prep, warm))  # started here
 
-    def _warm_call(self) -> None:
+    def _warm_call(self, prep: keys.Prepared, warm: _Warm) -> None:
+        assert prep.control is not None
+        answers = setup.master_answers(str(prep.control))  # here, not under the lock: a hung master takes a while
+        if answers is True:
+            return
         try:
-            self.run("true", timeout=self.host.connect_timeout + 10)
-        except Exception:  # noqa: BLE001 - the caller's own first call meets it again, and raises it
-            pass
+            self._run("true", self.host.connect_timeout + 10, None, lambda: _Collector(None, host=self.name),
+                      prep=prep, probed=answers)
+        except DfoError as exc:  # the calls waiting for this one raise it (they would meet it again)
+            warm.error = exc
 
     def _wait_warm(self) -> None:
         """A call made while warm()'s is under way waits for it (in slices: Ctrl-C acts at once), so that
-        it goes over the connection that call makes instead of making a second one."""
-        w = self._warming
-        if w is None or w is threading.current_thread():
+        it goes over the connection that call made instead of making a second one. If that call failed,
+        the first call to wait raises its error: a host that cannot be reached is not tried twice, and a
+        host key found changed while it was recorded is never passed over (dfo's socket is removed, so no
+        later call uses the master that call made)."""
+        warm = self._warming
+        if warm is None or warm.thread is threading.current_thread():
             return
-        while w.is_alive():
-            w.join(SLICE_S)
+        while warm.thread.is_alive():
+            warm.thread.join(SLICE_S)
+        with self._lock:
+            if self._warming is not warm or warm.error is None:
+                return
+            err, warm.error = warm.error, None
+            prep = self._prep
+        if isinstance(err, HostKeyError) and prep is not None and prep.own_control and prep.control is not None:
+            try:
+                os.unlink(prep.control)
+            except OSError:
+                pass
+        raise err
 
     def _argv(self, prep: keys.Prepared, remote: str, fresh: bool) -> list[str]:
         argv = [prep.ssh, "-F", str(prep.config), "-T"]
@@ -169,19 +190,22 @@ class OpenSSH(Transport):
         if fresh:
             argv += ["-o", "ControlMaster=no", "-o", "ControlPath=none"]
         elif prep.own_control and prep.control is not None:
-            # ssh_persist 0: shared while dfo runs, then PERSIST_OFF_S (asking it to exit costs a process more)
+            # ssh_persist 0: shared while dfo runs (close() ends it), PERSIST_OFF_S at most after a killed dfo
             persist = max(1, round(self.host.ssh_persist)) if self.host.ssh_persist > 0 else PERSIST_OFF_S
             argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={setup.q(setup.pct(str(prep.control)))}",
                      "-o", f"ControlPersist={persist}s"]
         return [*argv, "--", self.host.alias or self.host.hostname, remote]
 
-    def _fresh(self, prep: keys.Prepared) -> bool:
+    def _fresh(self, prep: keys.Prepared, probed: bool | None | str = "") -> bool:
         """Whether this call must pass the shared connection over: a master sits on the control path
         but does not answer (stopped, hung). dfo's own socket is removed instead (this call then makes a
-        new master); a user's master is left alone and this transport stops using it."""
+        new master); a user's master is left alone and this transport stops using it. ``probed``: what
+        master_answers said a moment ago (warm()'s call), not asked again."""
         if self._pass_over:
             return True
-        if prep.control is None or setup.master_answers(str(prep.control)) is not False:
+        if prep.control is None:
+            return False
+        if (setup.master_answers(str(prep.control)) if probed == "" else probed) is not False:
             return False
         if not self._said_dead_master:
             self._said_dead_master = True
@@ -208,13 +232,15 @@ class OpenSSH(Transport):
         return self._run(command, timeout, stdin, lambda: _Stream(on_data), big_pipe=True)
 
     def _run(self, command: str, timeout: float | None, stdin: bytes | str | None,
-             sink: Callable[[], _Collector | _Stream], big_pipe: bool = False) -> Result:
+             sink: Callable[[], _Collector | _Stream], big_pipe: bool = False,
+             prep: keys.Prepared | None = None, probed: bool | None | str = "") -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
-        self._wait_warm()
+        if prep is None:  # (warm()'s call passes the set-up it was started for: never one made after a close())
+            self._wait_warm()
         start = time.monotonic()
-        prep = self._prepared()
+        prep = prep or self._prepared()
         payload = stdin.encode() if isinstance(stdin, str) else stdin
-        fresh = self._fresh(prep)
+        fresh = self._fresh(prep, probed)
         while True:
             result = self._once(prep, command, start, limit, payload, sink(), fresh, big_pipe)
             if result is not None:
@@ -308,6 +334,16 @@ class OpenSSH(Transport):
         why: a changed key, a refused login) to /dev/null. Made again without sharing, it says why."""
         return bool(self.host.proxy_jump or self.host.proxy_command) and (
             "kex_exchange_identification" in text or "Connection closed by UNKNOWN" in text)
+
+
+class _Warm:
+    """warm()'s call, started at once: its thread, and the error it met (raised by the first call that
+    waited for it)."""
+
+    def __init__(self, name: str, target: Callable[[_Warm], None]) -> None:
+        self.error: DfoError | None = None
+        self.thread = threading.Thread(target=target, args=(self,), daemon=True, name=f"dfo-warm-{name}")
+        self.thread.start()
 
 
 def _grow_pipe(fd: int) -> None:

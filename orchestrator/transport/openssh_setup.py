@@ -345,6 +345,29 @@ def master_answers(path: str, timeout: float = MUX_PROBE_S) -> bool | None:
         s.close()
 
 
+def end_master(path: str, timeout: float = 0.5) -> None:
+    """Ask the master at ``path`` to end now, over its mux socket (hello, then MUX_C_TERMINATE: what
+    ``ssh -O exit`` sends, without starting a process). Best effort: a master that does not answer ends
+    on its own (ControlPersist)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(struct.pack(">III", 8, 1, 4))  # MUX_MSG_HELLO, protocol version 4
+        got = b""
+        while len(got) < 12:  # its hello (extensions, if any, are not read: the request goes next)
+            chunk = s.recv(12 - len(got))
+            if not chunk:
+                return
+            got += chunk
+        s.sendall(struct.pack(">III", 8, 0x10000005, 1))  # MUX_C_TERMINATE, request id 1
+        s.recv(16)  # MUX_S_OK (or a refusal), then the master ends
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
 def known_hosts_value(files: list[str]) -> str:
     return " ".join(q(pct(f)) for f in files)
 
