@@ -9,6 +9,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,33 @@ def test_a_node_that_loses_dfos_code_between_list_and_send_gets_it_on_the_stream
     assert calls == [1]
     assert rep.fetched >= 2, rep
     assert sha(to / "out" / "ckpt.bin") == penv.node_sha("out/ckpt.bin")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
+def test_the_nodes_send_grows_its_stdout_pipe(tmp_path: Path) -> None:
+    """The node's send writes 1 MiB records into the pipe to sshd: it grows that pipe to a record's size
+    first (64 KiB by default), which cut a 1 GiB pull's CPU here by about a sixth (docs/benchmarks.md, pull)."""
+    import fcntl
+
+    from remote.files.pull import CHUNK
+
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        if int(f.read()) < CHUNK and os.geteuid() != 0:
+            pytest.skip("pipe-max-size is below a record's size here")
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    st = src.stat()
+    req = {"op": "send", "root": str(tmp_path), "nonce": "ab" * 8,
+           "files": [{"path": "f.bin", "size": st.st_size, "mtime_ns": st.st_mtime_ns, "offset": 0}]}
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-S", "-m", "remote.files.pull"], cwd=root, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(req).encode())
+    proc.stdin.close()
+    out = proc.stdout.read()
+    size = fcntl.fcntl(proc.stdout.fileno(), getattr(fcntl, "F_GETPIPE_SZ", 1032))
+    proc.wait(30)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    assert size >= CHUNK, size  # a new pipe holds 64 KiB
+    assert out.count(b"@@DFO-RAW@@ " + b"ab" * 8) == 1 and len(out) > 3 << 20
