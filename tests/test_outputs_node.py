@@ -367,6 +367,19 @@ class ShipBed:
     def run_file(self, run: str, name: str) -> Any:
         return json.loads(self.sh(f"cat /workspace/.dfo/runs/{run}/{name}"))
 
+    def shipper(self, run: str, timeout: float = 20) -> Any:
+        """RUN_DIR/shipper.json once the supervisor has written it with the shipper's pid: launch (wait 0)
+        can return before the supervisor has started the shipper (seen once in a fresh-clone CI run)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.tb.node_exec(self.node, f"cat /workspace/.dfo/runs/{run}/shipper.json", timeout=30)
+            if r.returncode == 0 and r.stdout.strip():
+                doc = json.loads(r.stdout)
+                if doc.get("pid"):
+                    return doc
+            assert time.monotonic() < deadline, f"no shipper.json for {run} after {timeout:g}s: {r.stderr}"
+            time.sleep(0.1)
+
     def status(self, run: str) -> dict[str, Any]:
         r = self.dfo("status", "-H", self.node.name, run, "--json")
         assert r.returncode == 0, r.stderr
@@ -439,7 +452,7 @@ def test_on_a_node_a_killed_shipper_is_restarted_and_the_last_pass_still_ships(t
     r = t.dfo("launch", "-H", t.node.name, "-j", str(job), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     run = json.loads(r.stdout)["hosts"][t.node.name]["run"]
-    first = t.run_file(run, "shipper.json")["pid"]
+    first = t.shipper(run)["pid"]
     t.sh(f"kill -9 {first}")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
