@@ -208,6 +208,10 @@ def _main(argv: list[str] | None) -> None:
     try:
         args = list(sys.argv[1:] if argv is None else argv)
         cache = _help_cache(args)
+        if cache is None:
+            from .transport import openssh_early
+
+            openssh_early.start(args)  # the handshake of each host named with -H begins now, beside the imports
         rv = _help(args, cache) if cache is not None else cli.main(args=argv, prog_name="dfo", standalone_mode=False)
     except click.exceptions.Abort:
         sys.stderr.write("aborted\n")
@@ -233,6 +237,10 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(1)
     except Exception as exc:  # noqa: BLE001 - never a bare traceback for the user
         _unexpected(exc)
+    finally:
+        early = sys.modules.get("orchestrator.transport.openssh_early")
+        if early is not None:
+            early.finish()  # an early ssh the command never used is stopped
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -71,9 +71,11 @@ class HostSession:
 
     def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
         from .config.models import expand_targets, load_inventory
+        from .transport import openssh_early
         from .transport.resolve import resolve_host
 
         self.inventory, self.inventory_path = load_inventory(inventory)
+        openssh_early.loaded(self.inventory_path)
         self.names = expand_targets(self.inventory, targets, self.inventory_path)
         self.hosts: dict[str, ResolvedHost] = {
             n: resolve_host(self.inventory, n, self.inventory_path) for n in self.names

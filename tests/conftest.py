@@ -399,3 +399,17 @@ def each_ssh_transport(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 # ============================================================================================
 # end of ssh transports
 # ============================================================================================
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short XDG_RUNTIME_DIR (control sockets live in dfo-ssh/ under it: a socket path holds 107 bytes)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="dfo-rt-"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(d))
+    try:
+        yield d / "dfo-ssh"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -290,20 +290,6 @@ def test_every_command_runs_under_sh_whatever_the_login_shell(make_testbed: Any,
 # ------------------------------------------------------------------------------------------ sharing
 
 
-@pytest.fixture
-def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A short XDG_RUNTIME_DIR (control sockets live in dfo-ssh/ under it: a socket path holds 107 bytes)."""
-    import shutil
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="dfo-rt-"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(d))
-    try:
-        yield d / "dfo-ssh"
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def _master_pid(control: Path) -> int:
     r = subprocess.run(["ssh", "-O", "check", "-o", f"ControlPath={control}", "x"], capture_output=True, text=True,
                        timeout=10)

@@ -35,9 +35,11 @@ from collections.abc import Callable
 
 from ..config.models import ResolvedHost
 from ..errors import ConnectionLost, DfoError, HostError, HostKeyError
+from . import openssh_early
 from . import openssh_keys as keys
 from . import openssh_setup as setup
 from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
+from .openssh_early import stop
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
 PERSIST_OFF_S = 10  # ssh_persist 0: the command's own master ends at close() (mux terminate); this long after
@@ -90,12 +92,26 @@ class OpenSSH(Transport):
         self._running: set[subprocess.Popen[bytes]] = set()  # the ssh of each call in flight
         self._closed: set[subprocess.Popen[bytes]] = set()  # ... of those, the ones close() ended
         self._warming: _Warm | None = None  # warm()'s call, which the calls made meanwhile wait for
+        self._remembered = False  # openssh_early has the record of this connection (one per transport)
 
     # ---------------------------------------------------------------- set-up
     def _prepared(self) -> keys.Prepared:
         with self._lock:
             if self._prep is None:
-                self._prep = keys.prepare(self.host)
+                early = openssh_early.take(self.name)
+                prep = keys.prepare(self.host, early)
+                if early is not None and prep.folder == early.folder \
+                        and self._argv(prep, "", False)[:-1] == early.argv:  # the same ssh, byte for byte: its
+                    self._running.add(early.proc)  # call is this transport's first (close() stops it too)
+                    self._warming = _Warm(self.name, lambda warm: self._early_call(prep, early, warm))
+                    _verbose(f"dfo: {self.name}: over the ssh started at dfo's start-up\n")
+                elif early is not None:
+                    _verbose(f"dfo: {self.name}: the ssh started at dfo's start-up is not the one the inventory "
+                             "makes now: stopped, connecting anew\n")
+                    if prep.folder == early.folder:  # (else keys.prepare stopped it)
+                        early.discard()
+                        prep = keys.prepare(self.host)
+                self._prep = prep
             return self._prep
 
     def close(self) -> None:
@@ -107,14 +123,14 @@ class OpenSSH(Transport):
             running = list(self._running)
             self._closed.update(running)
         for proc in running:
-            _stop(proc)
+            stop(proc)
         if prep is None:
             return
         try:
             keys.merge_new_keys(self.host, prep)
         finally:
             if self.host.ssh_persist <= 0 and prep.own_control and prep.control is not None:
-                setup.end_master(str(prep.control))  # no connection outlives the command
+                openssh_early.end_master(str(prep.control))  # no connection outlives the command
             shutil.rmtree(prep.folder, ignore_errors=True)
 
     def reconnect(self) -> None:
@@ -156,6 +172,17 @@ class OpenSSH(Transport):
             self._run("true", self.host.connect_timeout + 10, None, lambda: _Collector(None, host=self.name),
                       prep=prep, probed=answers)
         except DfoError as exc:  # the calls waiting for this one raise it (they would meet it again)
+            warm.error = exc
+
+    def _early_call(self, prep: keys.Prepared, early: openssh_early.Early, warm: _Warm) -> None:
+        """The call of the ssh started at dfo's start-up (openssh_early), read as warm()'s call is run."""
+        limit = self.host.connect_timeout + 10
+        try:
+            done = self._collect(prep, early.proc, "true", early.marker, early.started, limit, None,
+                                 _Collector(None, host=self.name), False, False)
+            if done is None:  # the master failed before the session opened: as _run does, on a fresh connection
+                self._run("true", limit, None, lambda: _Collector(None, host=self.name), prep=prep, probed=None)
+        except DfoError as exc:
             warm.error = exc
 
     def _wait_warm(self) -> None:
@@ -236,23 +263,27 @@ class OpenSSH(Transport):
              prep: keys.Prepared | None = None, probed: bool | None | str = "") -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
         if prep is None:  # (warm()'s call passes the set-up it was started for: never one made after a close())
+            self._prepared()  # first: it may take over an early ssh, which this call then waits for
             self._wait_warm()
         start = time.monotonic()
         prep = prep or self._prepared()
         payload = stdin.encode() if isinstance(stdin, str) else stdin
         fresh = self._fresh(prep, probed)
         while True:
-            result = self._once(prep, command, start, limit, payload, sink(), fresh, big_pipe)
+            marker = secrets.token_hex(8)
+            argv = self._argv(prep, sh_command(command, marker), fresh)
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe)
             if result is not None:
                 return result
             fresh = True  # the master failed before the session opened: once more, on a connection of its own
 
-    def _once(self, prep: keys.Prepared, command: str, start: float, limit: float, payload: bytes | None,
-              out: _Collector | _Stream, fresh: bool, big_pipe: bool) -> Result | None:
-        marker = secrets.token_hex(8)
-        argv = self._argv(prep, sh_command(command, marker), fresh)
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    def _collect(self, prep: keys.Prepared, proc: subprocess.Popen[bytes], command: str, marker: str, start: float,
+                 limit: float, payload: bytes | None, out: _Collector | _Stream, fresh: bool,
+                 big_pipe: bool) -> Result | None:
+        """Feed and read one ssh (started by _run, or at dfo's start-up) until it ends: its Result; None when
+        the shared master failed before the session opened (the caller makes the call again, fresh)."""
         assert proc.stdout is not None and proc.stderr is not None
         with self._lock:
             self._running.add(proc)
@@ -300,11 +331,11 @@ class OpenSSH(Transport):
                 elif time.monotonic() - ended > AFTER_EXIT_S:
                     break  # a process the command left behind holds the output open
         except BaseException:
-            _stop(proc)
+            stop(proc)
             raise
         finally:
             if proc.poll() is None:
-                _stop(proc)
+                stop(proc)
             _drain(efd, open_fds, err)
             for f in (proc.stdout, proc.stderr):
                 f.close()
@@ -319,6 +350,10 @@ class OpenSSH(Transport):
             raise ConnectionLost("connection lost: the connection was closed while a command ran", host=self.name,
                                  hint=LOST_HINT)
         if err.code is not None:
+            if not self._remembered and not fresh and prep.own_control and prep.control is not None:
+                self._remembered = True  # the connection works: how it was started, for the next command
+                openssh_early.remember(self.name, prep.folder, prep.text, str(prep.control), self.host.ssh_persist,
+                                       self._argv(prep, "", False)[:-1])
             return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
         text = err.text()
         if code != 255:
@@ -346,6 +381,11 @@ class _Warm:
         self.thread.start()
 
 
+def _verbose(text: str) -> None:
+    if os.environ.get("DFO_VERBOSE"):
+        sys.stderr.write(text)
+
+
 def _grow_pipe(fd: int) -> None:
     """A bigger pipe for ssh's stdout (Linux: F_SETPIPE_SZ; /proc/sys/fs/pipe-max-size caps it): run_stream
     reads it in larger pieces. Elsewhere, or refused, the pipe stays as it is."""
@@ -368,21 +408,6 @@ def _feed(pipe: object, data: bytes) -> None:
     try:
         pipe.close()  # type: ignore[attr-defined]
     except (BrokenPipeError, ValueError, OSError):
-        pass
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """End an ssh client: SIGTERM (a mux client closes its session on the master), then SIGKILL."""
-    try:
-        proc.terminate()
-        proc.wait(2)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        try:
-            proc.wait(2)
-        except subprocess.TimeoutExpired:
-            pass
-    except OSError:
         pass
 
 

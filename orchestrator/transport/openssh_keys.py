@@ -28,9 +28,11 @@ from pathlib import Path
 from ..config.models import ResolvedHost
 from ..errors import ConfigError, HostKeyError
 from . import known_hosts
+from . import openssh_early as early_mod
 from . import openssh_setup as setup
 from .known_hosts import KH_LOCK as _KH_LOCK
 from .known_hosts import Entry, KnownHosts, parse_line
+from .openssh_early import Early
 
 _TYPES = {"ssh-ed25519": "ED25519", "ssh-rsa": "RSA", "ssh-dss": "DSA", "sk-ssh-ed25519@openssh.com": "ED25519-SK",
           "sk-ecdsa-sha2-nistp256@openssh.com": "ECDSA-SK"}
@@ -61,6 +63,7 @@ class Prepared:
     target_strict: bool  # a @cert-authority line covers the target
     ca: list[tuple[str, Entry]] = field(default_factory=list)  # (file, line) of every CA line
     strict_hops: list[str] = field(default_factory=list)
+    text: str = ""  # the config's text
 
 
 def _lenient(path: str) -> list[Entry]:
@@ -135,56 +138,77 @@ def _clean_stale(base: Path) -> None:
             pass
 
 
-def prepare(host: ResolvedHost) -> Prepared:
+def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
+    """This connection's set-up: its own 0700 folder with its config and new-keys file, and its ControlPath.
+    ``early``: the ssh started at dfo's start-up for this host (openssh_early); its folder is taken over
+    when the config and control path made here are the very ones it was started with, else it is stopped."""
     ssh = setup.usable_ssh()
     if ssh is None or host.ssh_resolve is None:
+        if early is not None:
+            early.discard()
         raise ConfigError("transport: openssh needs an OpenSSH client (ssh 8.0 or newer) on PATH",
                           host=host.name, hint="install one (openssh-client), or set transport: paramiko")
-    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
-    ca = ca_lines(host, dfo)
-    target_strict = covering(ca, host.hostname, host.port) is not None
-    strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
-    base = setup.state_dir()
-    _clean_stale(base)
+    try:
+        dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
+        ca = ca_lines(host, dfo)
+        target_strict = covering(ca, host.hostname, host.port) is not None
+        strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
+        base = early_mod.state_dir()
+        _clean_stale(base)
+        Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        resolved = Path(host.ssh_resolve).read_text().splitlines()
+    except BaseException:
+        if early is not None:
+            early.discard()
+        raise
+
+    def made(folder: Path) -> tuple[str, Path | None, bool]:
+        """The config text and (control path, dfo's own?) of a connection whose folder is ``folder``."""
+        files = [str(folder / "new_keys"), host.known_hosts, *_files(host, "userknownhostsfile")]
+        lines = ["# dfo: the settings of one connection to " + host.name.replace("\n", " ")
+                 + " (orchestrator/transport/openssh_keys.py); removed when it closes"]
+        if strict_hops:
+            lines += ["Host " + " ".join(strict_hops), "  StrictHostKeyChecking yes"]
+        # the resolution config is copied in, not included: this connection never depends on a shared file
+        lines += ["Host *", f"  UserKnownHostsFile {setup.known_hosts_value(files)}", *resolved]
+        text = "\n".join(lines) + "\n"
+        user_path = (host.ssh_resolved.get("controlpath") or ["none"])[0]
+        if user_path.lower() != "none":
+            return text, Path(user_path), False
+        if host.ssh_persist > 0:
+            # what dfo's known_hosts says of this host is part of the name: a master that verified the
+            # host under other lines (a key since changed, revoked, a new CA) is never reused
+            names = [setup.label(host.hostname, host.port)] + [
+                setup.label(h, p or 22) for _, h, p in setup.jump_hops(host.proxy_jump or "")]
+            mine = sorted((e.marker or "", e.hosts, e.key_type, e.blob.hex()) for e in dfo.entries
+                          if e.marker is not None or any(e.matches(n) for n in names))
+            return text, early_mod.control_path(base, host.user, host.hostname, host.port, host.proxy_jump,
+                                             host.proxy_command, host.ssh_resolve, host.known_hosts, target_strict,
+                                             strict_hops, host.ssh_options, mine), True
+        # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
+        # share one connection; close() ends it and removes its socket with the folder
+        return text, early_mod.control_path(folder, folder.name), True
+
+    if early is not None:
+        try:
+            text, control, own = made(early.folder)
+        except BaseException:
+            early.discard()
+            raise
+        if own and text == early.config_text and str(control) == early.control:
+            return Prepared(ssh, early.folder, early.folder / "config", early.folder / "new_keys", control, own,
+                            target_strict, ca, strict_hops, text)
+        early.discard()
     folder = base / f"c-{os.getpid()}-{secrets.token_hex(4)}"
     folder.mkdir(mode=0o700)
     new_keys = folder / "new_keys"
     new_keys.touch(mode=0o600)
-    Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    files = [str(new_keys), host.known_hosts, *_files(host, "userknownhostsfile")]
-    lines = ["# dfo: the settings of one connection to " + host.name.replace("\n", " ")
-             + " (orchestrator/transport/openssh_keys.py); removed when it closes"]
-    if strict_hops:
-        lines += ["Host " + " ".join(strict_hops), "  StrictHostKeyChecking yes"]
-    # the resolution config is copied in, not included: this connection never depends on a shared file
-    lines += ["Host *", f"  UserKnownHostsFile {setup.known_hosts_value(files)}",
-              *Path(host.ssh_resolve).read_text().splitlines()]
+    text, control, own = made(folder)
     config = folder / "config"
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    g = host.ssh_resolved
-    user_path = (g.get("controlpath") or ["none"])[0]
-    if user_path.lower() != "none":
-        control: Path | None = Path(user_path)
-        own = False
-    elif host.ssh_persist > 0:
-        # what dfo's known_hosts says of this host is part of the name: a master that verified the
-        # host under other lines (a key since changed, revoked, a new CA) is never reused
-        names = [setup.label(host.hostname, host.port)] + [
-            setup.label(h, p or 22) for _, h, p in setup.jump_hops(host.proxy_jump or "")]
-        mine = sorted((e.marker or "", e.hosts, e.key_type, e.blob.hex()) for e in dfo.entries
-                      if e.marker is not None or any(e.matches(n) for n in names))
-        control = setup.control_path(base, host.user, host.hostname, host.port, host.proxy_jump,
-                                     host.proxy_command, host.ssh_resolve, host.known_hosts, target_strict,
-                                     strict_hops, host.ssh_options, mine)
-        own = True
-    else:
-        # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
-        # share one connection; close() removes the socket with the folder, and the master ends
-        # openssh.PERSIST_OFF_S after its last call
-        control, own = setup.control_path(folder, folder.name), True
-    return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops)
+        f.write(text)
+    return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops, text)
 
 
 def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:

@@ -43,7 +43,6 @@ import re
 import shlex
 import shutil
 import socket
-import stat
 import struct
 import subprocess
 import time
@@ -52,6 +51,7 @@ from pathlib import Path
 
 from .. import cache_dir
 from ..errors import ConfigError, HostError
+from .openssh_early import state_dir
 
 MIN_VERSION = (8, 0)
 MUX_PROBE_S = 2.0  # a live master answers the mux hello at once; a hung one never does
@@ -65,24 +65,6 @@ MAX_HOPS = 8
 # chacha20-poly1305: dfo pull of 1 GiB measured it (docs/benchmarks.md, "## pull").
 CIPHERS_FIRST = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 CIPHERS_FIRST_SINCE = (8, 1)
-
-
-def state_dir() -> Path:
-    """dfo's own folder for ssh: 0700, created on first use (control sockets, config files)."""
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else cache_dir() / "ssh"
-    try:
-        base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = base.stat()
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"{base}: dfo's ssh folder belongs to another user",
-                              hint="remove it, or set XDG_RUNTIME_DIR to a folder of yours")
-        if st.st_mode & 0o077:
-            os.chmod(base, 0o700)
-    except OSError as exc:
-        raise ConfigError(f"{base}: cannot make dfo's ssh folder: {exc.strerror or exc}",
-                          hint="check that your home (or $XDG_RUNTIME_DIR) is writable") from None
-    return base
 
 
 # ------------------------------------------------------------------------------------------ the binary
@@ -298,23 +280,6 @@ def jump_hops(spec: str) -> list[tuple[str | None, str, int | None]]:
 
 # ------------------------------------------------------------------------------------------ shared masters
 
-def control_path(folder: Path, *parts: object) -> Path:
-    """A socket path named by what the connection is. A socket's path holds at most 107 bytes and ssh
-    adds 17 while it makes one: a folder too deep for that gives way to /tmp/dfo-ssh-UID (0700, ours)."""
-    digest = hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
-    if len(str(folder)) + len(digest) + 4 + 17 > 100:
-        folder = Path(f"/tmp/dfo-ssh-{os.geteuid()}")
-        try:
-            folder.mkdir(mode=0o700, exist_ok=True)
-            st = folder.lstat()
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise ConfigError(f"{folder} is not a 0700 folder of this user's: dfo will not put ssh's "
-                                  "control sockets there", hint="remove it, or set XDG_RUNTIME_DIR to a short path")
-        except OSError as exc:
-            raise ConfigError(f"{folder}: {exc.strerror or exc}", hint="set XDG_RUNTIME_DIR to a short path") from None
-    return folder / f"cm-{digest}"
-
-
 def master_answers(path: str, timeout: float = MUX_PROBE_S) -> bool | None:
     """Whether a ControlMaster listens at ``path`` and answers the mux hello: True; no socket or a
     stale one (nobody listens: ssh replaces it): None; a socket whose master does not answer
@@ -341,29 +306,6 @@ def master_answers(path: str, timeout: float = MUX_PROBE_S) -> bool | None:
         return len(got) == 12 and struct.unpack(">I", got[4:8])[0] == 1
     except OSError:
         return False
-    finally:
-        s.close()
-
-
-def end_master(path: str, timeout: float = 0.5) -> None:
-    """Ask the master at ``path`` to end now, over its mux socket (hello, then MUX_C_TERMINATE: what
-    ``ssh -O exit`` sends, without starting a process). Best effort: a master that does not answer ends
-    on its own (ControlPersist)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(path)
-        s.sendall(struct.pack(">III", 8, 1, 4))  # MUX_MSG_HELLO, protocol version 4
-        got = b""
-        while len(got) < 12:  # its hello (extensions, if any, are not read: the request goes next)
-            chunk = s.recv(12 - len(got))
-            if not chunk:
-                return
-            got += chunk
-        s.sendall(struct.pack(">III", 8, 0x10000005, 1))  # MUX_C_TERMINATE, request id 1
-        s.recv(16)  # MUX_S_OK (or a refusal), then the master ends
-    except OSError:
-        pass
     finally:
         s.close()
 
