@@ -15,7 +15,7 @@ one testbed node, three cases in turn:
 * one change: one file's content changed here.
 
 Every figure is end to end: the wall time of the whole command as a user runs it (for dfo, a
-fresh `python -m orchestrator.cli`, its start-up and its own SSH connection included: the
+fresh `python -m orchestrator` (what the `dfo` script runs), its start-up and its own SSH connection included: the
 inventory sets ssh_persist 0, so no shared connection outlives a command; for rsync and tar, the
 `ssh` client's connection included). Each case is timed --repeat times (a fresh node folder for "first"), the
 tools in turn (their order rotates each round), best and median are reported, and the ratios
@@ -161,7 +161,9 @@ def main() -> None:
             job = work / "job.yaml"
             job.write_text(yaml.safe_dump({"name": "bench", "venv": "/usr",
                                            "code": {"source": str(repo), "dest": dest}}))
-            return timed([sys.executable, "-m", "orchestrator.cli", "-i", str(inventory), "sync-code", "-H",
+            where = root or dfo_root  # `python -m orchestrator` runs what the dfo script runs (an older tree: .cli)
+            module = "orchestrator" if (where / "orchestrator" / "__main__.py").is_file() else "orchestrator.cli"
+            return timed([sys.executable, "-m", module, "-i", str(inventory), "sync-code", "-H",
                           node.name, "-j", str(job)], env=env, cwd=root or dfo_root)
 
         share = ["-o", "ControlMaster=auto", "-o", f"ControlPath={work}/rsync-cm-%C", "-o", "ControlPersist=60"]

@@ -61,7 +61,7 @@ def children_cpu() -> float:
 
 
 def run_once(tb: Testbed, inv: Path, hosts: list[str]) -> dict[str, float]:
-    argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "verify-env", "--json"]
+    argv = [sys.executable, "-m", "orchestrator", "-i", str(inv), "verify-env", "--json"]
     for h in hosts:
         argv += ["-H", h]
     c0, n0, t0 = children_cpu(), nodes_cpu(tb), time.monotonic()
@@ -80,7 +80,7 @@ def run_once(tb: Testbed, inv: Path, hosts: list[str]) -> dict[str, float]:
 def arrivals(inv: Path, hosts: list[str]) -> tuple[list[float], float]:
     """Human output (results print as each host is done): when each host's line arrived, and the exit,
     in seconds from the start."""
-    argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "verify-env"]
+    argv = [sys.executable, "-m", "orchestrator", "-i", str(inv), "verify-env"]
     for h in hosts:
         argv += ["-H", h]
     t0 = time.monotonic()

@@ -75,7 +75,7 @@ def main() -> None:
         job.write_text(yaml.safe_dump({
             "name": "bench", "venv": venv, "installer": a.installer, "workspace": f"{base}/ws", "packages": LINES,
             "index": {"find_links": [wheels], "no_index": True}}))
-        cli = [sys.executable, "-m", "orchestrator.cli", "-i", str(tb.inventory_path), "provision", "-H", node.name,
+        cli = [sys.executable, "-m", "orchestrator", "-i", str(tb.inventory_path), "provision", "-H", node.name,
                "-j", str(job)]
         t = time.perf_counter()
         check(subprocess.run(cli, capture_output=True))

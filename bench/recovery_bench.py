@@ -76,7 +76,7 @@ print("done", flush=True)
 
 
 def dfo(inv_dir: Path, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=inv_dir, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=inv_dir, env=env, text=True,
                           capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -121,7 +121,7 @@ def one_round(mode: str, lost_after: float, work: Path) -> dict[str, Any]:
                 return 0
 
         log = open(work / "watch.log", "w")  # noqa: SIM115
-        up = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "-H", a.name, "-j", "job.yaml",
+        up = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "-H", a.name, "-j", "job.yaml",
                                "--watch"], cwd=work, env=env, text=True, stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL)
         try:

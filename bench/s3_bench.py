@@ -186,7 +186,7 @@ class Bench:
         --baseline DIR, the same controller."""
         url = self.s3.url
         if tool in ("dfo", "base"):
-            argv = [sys.executable, "-m", "orchestrator.cli", "-i", str(self.tb.inventory_path), "sync-data",
+            argv = [sys.executable, "-m", "orchestrator", "-i", str(self.tb.inventory_path), "sync-data",
                     "-H", self.node.name, "-j", str(self.job(case, dest)), "--json"]
             env = dict(self.env)
             if tool == "base":

@@ -39,7 +39,7 @@ def dfo_argv() -> list[str]:
     script = Path(sys.executable).parent / "dfo"
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from orchestrator.cli import main; sys.argv[0] = 'dfo'; main()"]
+    return [sys.executable, "-c", "import sys; from orchestrator.entry import main; sys.argv[0] = 'dfo'; main()"]
 
 
 def timed(argv: list[str], env: dict[str, str], expect: int = 0) -> float:

@@ -243,7 +243,7 @@ def main() -> int:
         doc = yaml.safe_load(Path(tb.inventory_path).read_text())
         doc["defaults"]["known_hosts"] = str(tb.known_hosts)
         inv.write_text(yaml.safe_dump(doc))
-        dfo = [sys.executable, "-m", "orchestrator.cli", "-i", str(inv)]
+        dfo = [sys.executable, "-m", "orchestrator", "-i", str(inv)]
         subprocess.run([*dfo, "status", "-H", node.name], capture_output=True)  # agent upload, host key
         for rate in [float(r) for r in a.rates.split(",")]:
             n = int(rate * a.seconds)

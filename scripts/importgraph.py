@@ -38,7 +38,7 @@ SKIP = ("remote._vendor",)
 
 # (layer, name, dotted prefixes): the first rule whose prefix matches a module wins
 LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
-    (5, "cli", ("orchestrator.cli",)),
+    (5, "cli", ("orchestrator.cli", "orchestrator.entry", "orchestrator.__main__")),
     (4, "commands", ("orchestrator.commands", "orchestrator.cli_common", "orchestrator.console")),
     (3, "steps", ("orchestrator.steps", "orchestrator.demo", "orchestrator.testbed",
                   # the old layout's names (before scripts/relayout.py), so that an old tree can be drawn too

@@ -11,6 +11,8 @@ DFO_EARLY_CONNECT=0, start nothing early.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,11 @@ from typing import Any
 import pytest
 
 from orchestrator.transport import openssh_early
-from tests.test_openssh import _masters, _ssh_of, _sshd_log, dfo, inventory
+from tests.test_openssh import _label, _master_pid, _masters, _ssh_of, _sshd_log, dfo, inventory, keygen
 
 ADOPTED = "over the ssh started at dfo's start-up"
 REFUSED = "is not the one the inventory makes now"
+STARTED = "ssh started at dfo's start-up"
 
 
 def test_the_hosts_named_on_the_command_line_are_found_without_click(tmp_path: Path,
@@ -29,18 +32,20 @@ def test_the_hosts_named_on_the_command_line_are_found_without_click(tmp_path: P
     inv = tmp_path / "inv.yaml"
     inv.write_text("hosts: {}\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFO_INVENTORY", raising=False)
+    monkeypatch.delenv("DFO_VERBOSE", raising=False)
     parse = openssh_early._parse
     got = parse(["-i", str(inv), "sync-code", "-H", "a,b", "-j", "job", "--host", "c", "--host=d", "-H", "a"])
-    assert got is not None and got[0] == str(inv.resolve()) and got[2] == ["a", "b", "c", "d"]
-    assert parse(["-v", f"--inventory={inv}", "status", "-H", "a"]) is not None
+    assert got is not None and got[0] == str(inv.resolve()) and got[2] == ["a", "b", "c", "d"] and not got[3]
+    assert parse(["-v", f"--inventory={inv}", "status", "-H", "a"])[3] is True  # type: ignore[index]
     assert parse(["status", "-H", "a"]) is None  # no ./inventory.yaml here
     (tmp_path / "inventory.yaml").write_text("hosts: {}\n")
     assert parse(["status", "-H", "a"]) is not None
     monkeypatch.setenv("DFO_INVENTORY", str(inv))
     assert parse(["status", "-H", "a"])[0] == str(inv.resolve())  # type: ignore[index]
     for args in (["status", "-H", "a", "--help"], ["plot", "-H", "a"], ["status"], ["-i", str(inv)],
-                 ["launch", "-H", "a", "--dry-run"], ["exec", "--", "-H", "a"], ["-i", str(tmp_path / "no"), "status",
-                                                                                 "-H", "a"]):
+                 ["launch", "-H", "a", "--dry-run"], ["exec", "--", "-H", "a"], ["tail", "-H", "a", "--from-s3"],
+                 ["-i", str(tmp_path / "no"), "status", "-H", "a"]):
         assert parse(args) is None, args
     # the inventory's stat and the environment are part of what a record must match
     before = parse(["status", "-H", "a"])
@@ -79,12 +84,15 @@ def test_the_next_command_goes_over_the_ssh_started_at_its_start_up(testbed: Any
     assert rec.stat().st_mode & 0o777 == 0o600
     doc = json.loads(rec.read_text())
     assert doc["name"] == node.name and doc["argv"][0].endswith("ssh") and "IdentityFile" in doc["config"]
-    assert str(tmp_path) not in json.dumps(doc["argv"]).replace(str(inv), "")  # no connection's folder: a template
+    # a template: no connection's folder (c-PID-TOKEN) in it, filled in anew by each command
+    assert not re.search(r"/c-\d+-[0-9a-f]{8}", json.dumps(doc["argv"]) + doc["config"]), doc
+    assert doc["config"].count("\x00/new_keys") == 1 and doc["argv"][2] == "\x00/config", doc
+    assert str(doc["watch"]).count("known_hosts") >= 2 and doc["argv"][0] in doc["watch"]
     for _ in range(2):
         before = _accepted(testbed, node)
         r = dfo(inv, "-v", "status", "-H", node.name)
         assert r.returncode == 0, r.stderr
-        assert ADOPTED in r.stderr and REFUSED not in r.stderr, r.stderr
+        assert STARTED in r.stderr and ADOPTED in r.stderr and REFUSED not in r.stderr, r.stderr
         assert _accepted(testbed, node) - before == 1  # the early ssh's connection, and no second one
         _gone(runtime_dir)
     # the inventory file changed since the record: nothing starts early; the record is made anew
@@ -94,14 +102,21 @@ def test_the_next_command_goes_over_the_ssh_started_at_its_start_up(testbed: Any
     r = dfo(inv, "-v", "status", "-H", node.name)
     assert r.returncode == 0 and ADOPTED in r.stderr, r.stderr
     r = dfo(inv, "-v", "status", "-H", node.name, DFO_EARLY_CONNECT="0")
-    assert r.returncode == 0 and ADOPTED not in r.stderr, r.stderr
+    assert r.returncode == 0 and STARTED not in r.stderr, r.stderr
+    # dfo's known_hosts changed (any of the known_hosts files): nothing starts early
+    khf = next(Path(f) for f in json.loads(rec.read_text())["watch"] if f.startswith(str(tmp_path)))
+    khf.write_text(khf.read_text() + "# a comment\n")
+    r = dfo(inv, "-v", "status", "-H", node.name)
+    assert r.returncode == 0 and STARTED not in r.stderr, r.stderr
+    # a record that another user could have written is never used
+    rec.chmod(0o622)
+    r = dfo(inv, "-v", "status", "-H", node.name)
+    assert r.returncode == 0 and STARTED not in r.stderr, r.stderr
 
 
 @pytest.mark.testbed
 def test_a_shared_master_is_started_early_only_when_none_is_there(testbed: Any, tmp_path: Path,
                                                                   runtime_dir: Path) -> None:
-    import subprocess
-
     node = testbed.nodes[0]
     inv = inventory(testbed, tmp_path, defaults={"transport": "openssh", "ssh_persist": 60})
     assert dfo(inv, "status", "-H", node.name).returncode == 0
@@ -167,6 +182,74 @@ def test_a_command_that_fails_before_it_connects_leaves_no_ssh_behind(testbed: A
     inv = inventory(testbed, tmp_path, defaults={"transport": "openssh", "ssh_persist": 0})
     assert dfo(inv, "status", "-H", node.name).returncode == 0
     _record(runtime_dir)
-    r = dfo(inv, "sync-code", "-H", node.name, "-j", str(tmp_path / "no-such-job.yaml"))
+    r = dfo(inv, "-v", "sync-code", "-H", node.name, "-j", str(tmp_path / "no-such-job.yaml"))
     assert r.returncode == 2, r.stderr
+    assert STARTED in r.stderr, r.stderr
     _gone(runtime_dir)
+
+
+@pytest.mark.testbed
+def test_a_host_a_ca_line_now_covers_gets_no_early_ssh_under_the_old_policy(make_testbed: Any, tmp_path: Path,
+                                                                             runtime_dir: Path) -> None:
+    """The record was made while the host's plain key was trusted; then known_hosts came to hold only a
+    @cert-authority line for it. No early ssh may connect under the old policy (accept-new, which takes
+    the plain key): the command is refused (exit 4) and the node saw no login at all."""
+    tb = make_testbed(nodes=1, s3=False)
+    node = tb.nodes[0]
+    kh = tmp_path / "known_hosts"
+    inv = inventory(tb, tmp_path, kh=kh, defaults={"transport": "openssh", "ssh_persist": 0})
+    assert dfo(inv, "status", "-H", node.name).returncode == 0
+    _record(runtime_dir)
+    ca = keygen(tmp_path / "host_ca").with_suffix(".pub").read_text().split()
+    kh.write_text(f"@cert-authority {node.address},{_label(node)} {ca[0]} {ca[1]}\n")
+    before = _accepted(tb, node)
+    r = dfo(inv, "-v", "status", "-H", node.name)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert STARTED not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    time.sleep(0.5)
+    assert _accepted(tb, node) == before, _sshd_log(tb, node)[-1500:]
+
+
+@pytest.mark.testbed
+def test_a_shared_master_made_by_a_refused_early_ssh_takes_no_command(testbed: Any, tmp_path: Path,
+                                                                      runtime_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """ssh_persist > 0, and the record's config differs from what the inventory makes while its control
+    path is the very one: the early ssh has already made the shared master there when the command
+    compares. The command refuses it and its calls go over a connection of their own; the refused master
+    stops taking sessions (ssh -O stop). In-process, so that the early ssh is known to have connected
+    before the comparison."""
+    from orchestrator.hosts import HostSession
+    from orchestrator.transport.openssh_setup import master_answers
+
+    node = testbed.nodes[0]
+    inv = inventory(testbed, tmp_path, defaults={"transport": "openssh", "ssh_persist": 60})
+    for _ in range(2):  # (the first recorded the host key: the second's master has the steady name)
+        assert dfo(inv, "status", "-H", node.name).returncode == 0
+    rec = _record(runtime_dir)
+    doc = json.loads(rec.read_text())
+    control = Path(doc["control"])
+    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={control}", "x"], capture_output=True, timeout=10)
+    deadline = time.monotonic() + 5
+    while control.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rec.write_text(json.dumps(dict(doc, config=doc["config"] + "# not what the inventory makes\n")))
+    monkeypatch.setenv("DFO_VERBOSE", "1")
+    before = _accepted(testbed, node)
+    try:
+        openssh_early.start(["-i", str(inv), "status", "-H", node.name])
+        early = openssh_early._session.early[node.name]  # type: ignore[union-attr]
+        assert early.proc.wait(30) == 0  # its `true` ran: the master it made listens at the control path
+        assert master_answers(str(control)) is True
+        refused = _master_pid(control)
+        session = HostSession(str(inv), [node.name])
+        try:
+            assert session.conn(node.name).run("echo over-mine").stdout.strip() == "over-mine"
+        finally:
+            session.close()
+    finally:
+        openssh_early.finish()
+    assert _accepted(testbed, node) - before == 2  # the early ssh's connection, and the command's own
+    assert _master_pid(control) != refused  # the socket is the command's own master's now
+    doc2 = json.loads(rec.read_text())
+    assert doc2["config"] == doc["config"]  # the record is what the inventory makes again

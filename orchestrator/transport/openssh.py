@@ -96,23 +96,32 @@ class OpenSSH(Transport):
 
     # ---------------------------------------------------------------- set-up
     def _prepared(self) -> keys.Prepared:
-        with self._lock:
-            if self._prep is None:
-                early = openssh_early.take(self.name)
-                prep = keys.prepare(self.host, early)
-                if early is not None and prep.folder == early.folder \
-                        and self._argv(prep, "", False)[:-1] == early.argv:  # the same ssh, byte for byte: its
-                    self._running.add(early.proc)  # call is this transport's first (close() stops it too)
-                    self._warming = _Warm(self.name, lambda warm: self._early_call(prep, early, warm))
-                    _verbose(f"dfo: {self.name}: over the ssh started at dfo's start-up\n")
-                elif early is not None:
-                    _verbose(f"dfo: {self.name}: the ssh started at dfo's start-up is not the one the inventory "
-                             "makes now: stopped, connecting anew\n")
-                    if prep.folder == early.folder:  # (else keys.prepare stopped it)
-                        early.discard()
-                        prep = keys.prepare(self.host)
-                self._prep = prep
-            return self._prep
+        refused: openssh_early.Early | None = None
+        try:
+            with self._lock:
+                if self._prep is None:
+                    early = openssh_early.take(self.name)
+                    try:
+                        prep = keys.prepare(self.host, early)
+                    except BaseException:
+                        refused = early
+                        raise
+                    if early is not None and prep.folder == early.folder \
+                            and self._argv(prep, "", False)[:-1] == early.argv:  # the same ssh, byte for byte:
+                        self._running.add(early.proc)  # its call is this transport's first (close() stops it)
+                        self._warming = _Warm(self.name, lambda warm: self._early_call(prep, early, warm))
+                        _verbose(f"dfo: {self.name}: over the ssh started at dfo's start-up\n")
+                    elif early is not None:
+                        _verbose(f"dfo: {self.name}: the ssh started at dfo's start-up is not the one the inventory "
+                                 "makes now: stopped, connecting anew\n")
+                        refused = early
+                        if prep.folder == early.folder:  # its config and socket, but another argv: a set-up of its own
+                            prep = keys.prepare(self.host)
+                    self._prep = prep
+                return self._prep
+        finally:
+            if refused is not None:  # stopped out of the lock (it can take a second or two); no call uses its master
+                refused.discard(keep_master=False)
 
     def close(self) -> None:
         """End the calls in flight (their ssh: they raise ConnectionLost, as on a closed paramiko
@@ -353,7 +362,7 @@ class OpenSSH(Transport):
             if not self._remembered and not fresh and prep.own_control and prep.control is not None:
                 self._remembered = True  # the connection works: how it was started, for the next command
                 openssh_early.remember(self.name, prep.folder, prep.text, str(prep.control), self.host.ssh_persist,
-                                       self._argv(prep, "", False)[:-1])
+                                       self._argv(prep, "", False)[:-1], keys.watched(self.host, prep))
             return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
         text = err.text()
         if code != 255:

@@ -4,31 +4,32 @@ A command that names its hosts (``dfo sync-code -H gpu1``) spends its first ~0.1
 and reading the inventory and the job before it knows what ssh to start, and only then waits ~0.15 s for
 the handshake; ``ssh HOST`` starts its handshake at once. So for each host that dfo reached before over
 the OpenSSH transport, it keeps a record of how that connection was started: the ssh argv and the
-connection's config file, as openssh_keys.prepare made them (``remember``). At start-up (cli.main,
-before the command's module is imported) ``start`` reads the record of each host named with -H and,
-when the inventory file and the environment are as they were, starts that ssh now: a connection folder
-and config made as prepare makes them, and ``true`` run as warm()'s call runs it, which makes the
-master that the command's calls then share.
+connection's config file, as openssh_keys.prepare made them (``remember``). At start-up (entry.py, before
+click and the command's module are imported) ``start`` reads the record of each host named with -H and,
+when the inventory file, the environment, the ssh binary and every known_hosts file are as they were,
+starts that ssh now: a connection folder and config made as prepare makes them, and ``true`` run as
+warm()'s call runs it, which makes the master that the command's calls then share.
 
-Nothing is taken on trust from a record. When the command's transport makes its set-up
-(OpenSSH._prepared) it computes the config, the control path and the argv from the validated inventory
-as it always does, and takes the early ssh over only when all three are the same, byte for byte;
-otherwise the early ssh is stopped (its master ended where it is the command's own) and the command
-connects as before. Host keys are checked as on any connection (the same config, known_hosts files and
-policy), and an early ssh's failure (a changed key, a refused login) is raised by the command's first
-call, as warm()'s would be. A command that never connects (bad usage, an invalid job) stops its early
-ssh when it ends. Records hold paths and options, never a secret, in dfo's 0700 ssh folder.
-``DFO_EARLY_CONNECT=0`` turns this off.
+Nothing is taken on trust from a record. A record is read only if it is a regular 0600 file of this
+user's, in dfo's 0700 folder. When the command's transport makes its set-up (OpenSSH._prepared) it
+computes the config, the control path and the argv from the validated inventory as it always does, and
+takes the early ssh over only when all three are the same, byte for byte. Otherwise the early ssh is
+stopped and the master it made takes no command: with ssh_persist 0 it ends, a shared one stops
+listening (``ssh -O stop``), and the command connects as before. The early ssh checks host keys with the
+same config, files and policy as the command's own ssh would (a known_hosts file changed since the
+record, say a @cert-authority line added, and nothing starts early), and its failure (a changed key, a
+refused login) is raised by the command's first call, as warm()'s would be. A command that ends without
+connecting stops its early ssh (a shared master it made stays for ssh_persist, as any command's does).
+Records hold paths and options, never a secret. ``DFO_EARLY_CONNECT=0`` turns this off.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import stat
+import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +45,8 @@ COMMANDS = frozenset({"verify-env", "provision", "stage-model", "sync-data", "sy
                       "status", "stop", "top", "exec", "up", "watch"})
 # what else decides the config and argv dfo makes (besides the inventory file, whose size, time and inode count)
 _FOLDER, _CONTROL = "\x00", "\x01"  # in a record: the connection's folder, and its own socket (ssh_persist 0)
-ENV_KEYS = ("HOME", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "DFO_SSH_CONFIG", "DFO_SSH_TRANSPORT", "DFO_ALIVE_INTERVAL_S",
-            "DFO_ALIVE_DEAD_S", "DFO_DEBUG")
+ENV_KEYS = ("HOME", "PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "DFO_SSH_CONFIG", "DFO_SSH_TRANSPORT",
+            "DFO_ALIVE_INTERVAL_S", "DFO_ALIVE_DEAD_S", "DFO_DEBUG")
 
 
 def state_dir() -> Path:
@@ -66,11 +67,10 @@ def state_dir() -> Path:
     return base
 
 
-def control_path(folder: Path, *parts: object) -> Path:
-    """A socket path named by what the connection is. A socket's path holds at most 107 bytes and ssh
-    adds 17 while it makes one: a folder too deep for that gives way to /tmp/dfo-ssh-UID (0700, ours)."""
-    digest = hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
-    if len(str(folder)) + len(digest) + 4 + 17 > 100:
+def _socket_in(folder: Path, name: str) -> Path:
+    """``folder/name`` for a control socket; a socket's path holds at most 107 bytes and ssh adds 17 while
+    it makes one: a folder too deep for that gives way to /tmp/dfo-ssh-UID (0700, ours)."""
+    if len(str(folder)) + len(name) + 1 + 17 > 100:
         folder = Path(f"/tmp/dfo-ssh-{os.geteuid()}")
         try:
             folder.mkdir(mode=0o700, exist_ok=True)
@@ -80,26 +80,43 @@ def control_path(folder: Path, *parts: object) -> Path:
                                   "control sockets there", hint="remove it, or set XDG_RUNTIME_DIR to a short path")
         except OSError as exc:
             raise ConfigError(f"{folder}: {exc.strerror or exc}", hint="set XDG_RUNTIME_DIR to a short path") from None
-    return folder / f"cm-{digest}"
+    return folder / name
 
 
-@dataclass
+def control_path(folder: Path, *parts: object) -> Path:
+    """A shared master's socket, named by what the connection is (a digest of ``parts``)."""
+    import hashlib
+
+    return _socket_in(folder, "cm-" + hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16])
+
+
+def own_control(folder: Path) -> Path:
+    """The socket of a command's own master (ssh_persist 0), in its connection's folder ``c-PID-TOKEN``
+    (or, that too deep, named after it in /tmp/dfo-ssh-UID)."""
+    return _socket_in(folder, "cm") if len(str(folder)) + 3 + 17 <= 100 else _socket_in(folder, "cm-" + folder.name)
+
+
 class Early:
     """One early ssh: what it was started with, and the process (running ``true`` under sh, marker ``marker``)."""
 
-    name: str
-    folder: Path  # the connection's own folder (config, new_keys), as openssh_keys.prepare makes one
-    config_text: str
-    control: str
-    argv: list[str]  # without the remote command
-    persist: float
-    proc: subprocess.Popen[bytes]
-    marker: str
-    started: float  # time.monotonic() at its start
+    def __init__(self, name: str, folder: Path, config_text: str, control: str, argv: list[str], persist: float,
+                 proc: subprocess.Popen[bytes], marker: str, started: float) -> None:
+        self.name = name
+        self.folder = folder  # the connection's own folder (config, new_keys), as openssh_keys.prepare makes one
+        self.config_text = config_text
+        self.control = control
+        self.argv = argv  # without the remote command
+        self.persist = persist
+        self.proc = proc
+        self.marker = marker
+        self.started = started  # time.monotonic() at its start
 
-    def discard(self) -> None:
-        """Stop the early ssh; with ssh_persist 0 end the master it made (its socket is in its own folder)
-        and remove the folder. A shared master (ssh_persist > 0) is left to end on its own, as any."""
+    def discard(self, keep_master: bool) -> None:
+        """Stop the early ssh and remove its folder. With ssh_persist 0 the master it made ends (its socket
+        is the connection's own). A shared master at the control path (ssh_persist > 0) stops taking new
+        sessions (``ssh -O stop``: no later command goes over it; a session in flight ends as it would)
+        unless ``keep_master``: the early ssh was the command's own, only never used (the command ended
+        before it connected), and the master stays for ssh_persist as any command's does."""
         if self.proc.poll() is None:
             stop(self.proc)
         for f in (self.proc.stdout, self.proc.stderr):
@@ -107,27 +124,33 @@ class Early:
                 f.close()
         if self.persist <= 0:
             end_master(self.control)
+        elif not keep_master:
+            end_master(self.control, stop_listening=True)
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-@dataclass
 class _Session:
-    inventory: str  # its real path
-    check: list[Any]  # the inventory's stat and the environment, as a record must hold them
-    names: list[str]
-    early: dict[str, Early] = field(default_factory=dict)
-    loaded: bool = False  # the command loaded that inventory (hosts.HostSession): its hosts may be recorded
+    def __init__(self, inventory: str, check: list[Any], names: list[str], verbose: bool) -> None:
+        self.inventory = inventory  # its real path
+        self.check = check  # the inventory's stat and the environment, as a record must hold them
+        self.names = names
+        self.verbose = verbose
+        self.early: dict[str, Early] = {}
+        self.loaded = False  # the command loaded that inventory (hosts.HostSession): its hosts may be recorded
 
 
 _session: _Session | None = None
+_started: list[str] | None = None  # the command line start() last saw
 _atexit = False
 
 
-def _parse(args: list[str]) -> tuple[str, list[Any], list[str]] | None:
-    """(inventory real path, check, host names) of ``dfo [-i INV] [-v] CMD ... -H NAME[,NAME] ...``, or None."""
+def _parse(args: list[str]) -> tuple[str, list[Any], list[str], bool] | None:
+    """(inventory real path, check, host names, -v) of ``dfo [-i INV] [-v] CMD ... -H NAME[,NAME] ...``, or
+    None: no command that connects, no host named, help asked, or nothing to connect to (--from-s3)."""
     inv: str | None = None
+    verbose = bool(os.environ.get("DFO_VERBOSE"))
     i = 0
     while i < len(args):
         a = args[i]
@@ -136,7 +159,7 @@ def _parse(args: list[str]) -> tuple[str, list[Any], list[str]] | None:
         elif a.startswith("--inventory="):
             inv, i = a.split("=", 1)[1], i + 1
         elif a in ("-v", "--verbose"):
-            i += 1
+            verbose, i = True, i + 1
         else:
             break
     if i >= len(args) or args[i] not in COMMANDS:
@@ -146,7 +169,7 @@ def _parse(args: list[str]) -> tuple[str, list[Any], list[str]] | None:
     j = 0
     while j < len(rest) and rest[j] != "--":
         a = rest[j]
-        if a in ("-h", "--help", "--dry-run"):
+        if a in ("-h", "--help", "--dry-run", "--from-s3"):
             return None
         if a in ("-H", "--host") and j + 1 < len(rest):
             names += rest[j + 1].split(",")
@@ -163,18 +186,37 @@ def _parse(args: list[str]) -> tuple[str, list[Any], list[str]] | None:
     except OSError:
         return None
     check = [VERSION, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, *(os.environ.get(k) for k in ENV_KEYS)]
-    return real, check, names
+    return real, check, names, verbose
+
+
+def _stats(paths: list[str]) -> dict[str, list[int] | None]:
+    """Each file's (size, mtime_ns, inode), None for one that is not there."""
+    out: dict[str, list[int] | None] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out[p] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        except OSError:
+            out[p] = None
+    return out
 
 
 def _record_path(base: Path, inventory: str, name: str) -> Path:
-    key = hashlib.sha256(f"{inventory}\0{name}".encode("utf-8", "surrogateescape")).hexdigest()[:24]
-    return base / f"early-{key}.json"
+    """One file per inventory and host. Named by two CRCs (binascii: no OpenSSL to load at start-up); a
+    record names its inventory and host, so one that lands on another's name is only never used."""
+    import binascii
+
+    key = f"{inventory}\0{name}".encode("utf-8", "surrogateescape")
+    return base / f"early-{binascii.crc32(key):08x}{binascii.crc32(key[::-1]):08x}.json"
 
 
 def start(args: list[str]) -> None:
     """Start the early ssh of each host that ``args`` (dfo's command line) names and has a valid record."""
-    global _session, _atexit
+    global _session, _atexit, _started
+    if _started == args:
+        return  # the console script (orchestrator/entry.py) did, before click was imported
     finish()
+    _started = list(args)
     if os.environ.get("DFO_EARLY_CONNECT", "1") == "0":
         return
     parsed = _parse(args)
@@ -191,10 +233,12 @@ def start(args: list[str]) -> None:
     for name in _session.names:
         try:
             early = _spawn(base, name)
-        except (OSError, ValueError, KeyError, TypeError):
+        except Exception:  # noqa: BLE001 - a record that cannot be used: the command connects as without one
             early = None
         if early is not None:
             _session.early[name] = early
+            if _session.verbose:
+                sys.stderr.write(f"dfo: {name}: ssh started at dfo's start-up, as it last was (pid {early.proc.pid})\n")
 
 
 def _spawn(base: Path, name: str) -> Early | None:
@@ -202,19 +246,30 @@ def _spawn(base: Path, name: str) -> Early | None:
     import subprocess
 
     assert _session is not None
-    try:
-        rec = json.loads(_record_path(base, _session.inventory, name).read_text())
-    except (OSError, ValueError):
+    try:  # the record is used only if it is a file of this user's that nobody else can write
+        fd = os.open(_record_path(base, _session.inventory, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None
+        try:
+            rec = json.loads(f.read())
+        except ValueError:
+            return None
     if not isinstance(rec, dict) or rec.get("check") != _session.check or rec.get("inventory") != _session.inventory \
             or rec.get("name") != name:
+        return None
+    watch = rec["watch"]  # the ssh binary and every known_hosts file: any change, and nothing starts early
+    if not isinstance(watch, dict) or _stats(list(watch)) != watch:
         return None
     persist = float(rec["persist"])
     if persist > 0 and os.path.exists(rec["control"]):
         return None  # a shared master may be there: the command's transport asks it, as always
     folder = base / f"c-{os.getpid()}-{os.urandom(4).hex()}"
     # ssh_persist 0: the master's socket is the connection's own, named from its folder's name
-    control = str(control_path(folder, folder.name)) if persist <= 0 else str(rec["control"])
+    control = str(own_control(folder)) if persist <= 0 else str(rec["control"])
 
     def fill(text: str) -> str:
         return text.replace(_CONTROL, control).replace(_FOLDER, str(folder))
@@ -227,8 +282,8 @@ def _spawn(base: Path, name: str) -> Early | None:
     try:
         os.close(os.open(folder / "new_keys", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         fd = os.open(folder / "config", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
         from .base import sh_command
 
         marker = os.urandom(8).hex()
@@ -260,10 +315,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def end_master(path: str, timeout: float = 0.5) -> None:
+def end_master(path: str, timeout: float = 0.5, stop_listening: bool = False) -> None:
     """Ask the master at ``path`` to end now, over its mux socket (hello, then MUX_C_TERMINATE: what
-    ``ssh -O exit`` sends, without starting a process). Best effort: a master that does not answer ends
-    on its own (ControlPersist)."""
+    ``ssh -O exit`` sends, without starting a process); ``stop_listening``: MUX_C_STOP_LISTENING instead
+    (``ssh -O stop``: its socket goes, its sessions go on). Best effort: a master that does not answer
+    ends on its own (ControlPersist)."""
     import socket
     import struct
 
@@ -278,7 +334,8 @@ def end_master(path: str, timeout: float = 0.5) -> None:
             if not chunk:
                 return
             got += chunk
-        s.sendall(struct.pack(">III", 8, 0x10000005, 1))  # MUX_C_TERMINATE, request id 1
+        # MUX_C_STOP_LISTENING or MUX_C_TERMINATE, request id 1
+        s.sendall(struct.pack(">III", 8, 0x10000009 if stop_listening else 0x10000005, 1))
         s.recv(16)  # MUX_S_OK (or a refusal), then the master ends
     except OSError:
         pass
@@ -300,9 +357,11 @@ def loaded(inventory: Path) -> None:
         _session.loaded = True
 
 
-def remember(name: str, folder: Path, config_text: str, control: str, persist: float, argv: list[str]) -> None:
+def remember(name: str, folder: Path, config_text: str, control: str, persist: float, argv: list[str],
+             watch: list[str]) -> None:
     """Keep how the connection to ``name`` was started (its first call went through), for the next command
-    that names it. Written only when it changed (to a temporary name, then renamed)."""
+    that names it, while the files in ``watch`` (the ssh binary, the known_hosts files) stay as they are
+    now. Written only when it changed (to a temporary name, then renamed), 0600."""
     if _session is None or not _session.loaded or name not in _session.names:
         return
     import json
@@ -312,7 +371,8 @@ def remember(name: str, folder: Path, config_text: str, control: str, persist: f
         return (text.replace(control, _CONTROL) if persist <= 0 else text).replace(str(folder), _FOLDER)
 
     rec = {"check": _session.check, "inventory": _session.inventory, "name": name, "config": hollow(config_text),
-           "control": control if persist > 0 else _CONTROL, "persist": persist, "argv": [hollow(a) for a in argv]}
+           "control": control if persist > 0 else _CONTROL, "persist": persist, "argv": [hollow(a) for a in argv],
+           "watch": _stats(watch)}
     text = json.dumps(rec, indent=1)
     try:
         path = _record_path(state_dir(), _session.inventory, name)
@@ -332,8 +392,8 @@ def remember(name: str, folder: Path, config_text: str, control: str, persist: f
 
 def finish() -> None:
     """Stop every early ssh no transport took (the command ended without connecting to that host)."""
-    global _session
-    session, _session = _session, None
+    global _session, _started
+    session, _session, _started = _session, None, None
     if session is not None:
         for early in session.early.values():
-            early.discard()
+            early.discard(keep_master=True)

@@ -84,6 +84,12 @@ def _files(host: ResolvedHost, key: str) -> list[str]:
     return [f for v in host.ssh_resolved.get(key, []) for f in v.split() if f.lower() != "none"]
 
 
+def watched(host: ResolvedHost, prep: Prepared) -> list[str]:
+    """The files whose change must stop an early ssh (openssh_early): the ssh binary and every known_hosts
+    file the connection's host-key policy is made from (dfo's, the user's, the system's)."""
+    return [prep.ssh, host.known_hosts, *_files(host, "userknownhostsfile"), *_files(host, "globalknownhostsfile")]
+
+
 def ca_lines(host: ResolvedHost, dfo: KnownHosts) -> list[tuple[str, Entry]]:
     out = [(host.known_hosts, e) for e in dfo.entries if e.marker == "@cert-authority"]
     for f in _files(host, "userknownhostsfile") + _files(host, "globalknownhostsfile"):
@@ -141,26 +147,20 @@ def _clean_stale(base: Path) -> None:
 def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
     """This connection's set-up: its own 0700 folder with its config and new-keys file, and its ControlPath.
     ``early``: the ssh started at dfo's start-up for this host (openssh_early); its folder is taken over
-    when the config and control path made here are the very ones it was started with, else it is stopped."""
+    (the result's folder is ``early.folder``) when the config and control path made here are the very ones
+    it was started with; else the set-up is a new one, and the caller stops the early ssh."""
     ssh = setup.usable_ssh()
     if ssh is None or host.ssh_resolve is None:
-        if early is not None:
-            early.discard()
         raise ConfigError("transport: openssh needs an OpenSSH client (ssh 8.0 or newer) on PATH",
                           host=host.name, hint="install one (openssh-client), or set transport: paramiko")
-    try:
-        dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
-        ca = ca_lines(host, dfo)
-        target_strict = covering(ca, host.hostname, host.port) is not None
-        strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
-        base = early_mod.state_dir()
-        _clean_stale(base)
-        Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        resolved = Path(host.ssh_resolve).read_text().splitlines()
-    except BaseException:
-        if early is not None:
-            early.discard()
-        raise
+    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
+    ca = ca_lines(host, dfo)
+    target_strict = covering(ca, host.hostname, host.port) is not None
+    strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
+    base = early_mod.state_dir()
+    _clean_stale(base)
+    Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    resolved = Path(host.ssh_resolve).read_text().splitlines()
 
     def made(folder: Path) -> tuple[str, Path | None, bool]:
         """The config text and (control path, dfo's own?) of a connection whose folder is ``folder``."""
@@ -187,18 +187,13 @@ def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
                                              strict_hops, host.ssh_options, mine), True
         # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
         # share one connection; close() ends it and removes its socket with the folder
-        return text, early_mod.control_path(folder, folder.name), True
+        return text, early_mod.own_control(folder), True
 
     if early is not None:
-        try:
-            text, control, own = made(early.folder)
-        except BaseException:
-            early.discard()
-            raise
+        text, control, own = made(early.folder)
         if own and text == early.config_text and str(control) == early.control:
             return Prepared(ssh, early.folder, early.folder / "config", early.folder / "new_keys", control, own,
                             target_strict, ca, strict_hops, text)
-        early.discard()
     folder = base / f"c-{os.getpid()}-{secrets.token_hex(4)}"
     folder.mkdir(mode=0o700)
     new_keys = folder / "new_keys"
