@@ -6,6 +6,8 @@
    against `ssh HOST true` without connection sharing (a full handshake each time). Goal: <= 1.0x. The same
    on the paramiko transport, for comparison (what `dfo status` cost before the OpenSSH transport).
 2. `dfo status --help` against `python3 -c "import click"`. Goal: <= 1.5x.
+   Also without any sharing (``ssh_persist: 0``): against `ssh HOST true`, and against itself with its ssh
+   started after its start-up instead of at it (``DFO_EARLY_CONNECT=0``, transport/openssh_early.py).
 3. `dfo status -H node` as the first connection to a new host (a fresh known_hosts each time, so the key
    exchange, accept-new and a new master happen every run) on the OpenSSH transport against the paramiko
    transport. Goal: no slower.
@@ -95,6 +97,19 @@ def main() -> None:
         results.append(pair("status again within the persist window vs ssh HOST true (no sharing)",
                             ("dfo status -H node (openssh, shared)", lambda: timed(status, env)),
                             ("ssh HOST true (no sharing)", lambda: timed(peer, env)), args.n))
+
+        odoc = dict(doc, defaults=dict(doc["defaults"], ssh_persist=0))  # no connection outlives a command
+        oinv = work / "inventory-own.yaml"
+        oinv.write_text(yaml.safe_dump(odoc))
+        own = [*dfo_argv(), "-i", str(oinv), "status", "-H", node.name]
+        timed(own, env)  # the host seen once: the record of how its ssh starts (openssh_early) is there
+        late = dict(env, DFO_EARLY_CONNECT="0")
+        results.append(pair("status, no shared connection (ssh_persist 0) vs ssh HOST true (no sharing)",
+                            ("dfo status -H node (ssh_persist 0)", lambda: timed(own, env)),
+                            ("ssh HOST true (no sharing)", lambda: timed(peer, env)), args.n))
+        results.append(pair("the same: ssh started at dfo's start-up vs after it (DFO_EARLY_CONNECT=0)",
+                            ("dfo status -H node (ssh_persist 0)", lambda: timed(own, env)),
+                            ("the same, DFO_EARLY_CONNECT=0", lambda: timed(own, late)), args.n))
 
         pdoc = dict(doc, defaults=dict(doc["defaults"], transport="paramiko"))
         pinv = work / "inventory-paramiko.yaml"

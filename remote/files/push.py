@@ -115,13 +115,16 @@ FIELD = "code.dest"
 
 def digest_of(files):
     """One sha256 over the sorted (path, sha256, mode, link) of every file: equal digests, equal trees."""
+    return _digest((rel, e.get("sha256"), e.get("mode"), e.get("link")) for rel, e in files.items())
+
+
+def _digest(entries):
+    """digest_of over (path, sha256, mode, link) tuples, in any order (the node's manifest rows as stored)."""
     import hashlib  # here, not at the top: a push with nothing to write hashes nothing (~2 ms to import)
 
     h = hashlib.sha256()
-    for rel in sorted(files):
-        e = files[rel]
-        h.update(("%s\0%s\0%s\0%s\n" % (rel, e.get("sha256") or "", e.get("mode") or 0, e.get("link") or "")).encode(
-            "utf-8", "surrogateescape"))
+    for rel, sha, mode, link in sorted(entries):
+        h.update(("%s\0%s\0%s\0%s\n" % (rel, sha or "", mode or 0, link or "")).encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
@@ -158,31 +161,29 @@ def _lstat_at(tree, rel):
         return None
 
 
-def _intact(tree, rel, entry):
-    """True when ``rel`` on the node is still what dfo wrote (inode, size, mtime; a link's target)."""
-    st = _lstat_at(tree, rel)
-    if st is None or st.st_ino != entry.get("ino") or st.st_mtime_ns != entry.get("mtime_ns"):
+def _intact(tree, rel, row):
+    """True when ``rel`` on the node is still what dfo wrote (inode, size, mtime; a link's target), by its
+    manifest row (FIELDS order)."""
+    if not isinstance(row, list) or len(row) != len(FIELDS):
         return False
-    if entry.get("link") is not None:
+    st = _lstat_at(tree, rel)
+    if st is None or st.st_ino != row[5] or st.st_mtime_ns != row[4]:
+        return False
+    if row[2] is not None:
         if not stat.S_ISLNK(st.st_mode):
             return False
         d, name = Tree.split(rel)
         try:
-            return os.readlink(name, dir_fd=tree.dir(d)) == entry["link"]
+            return os.readlink(name, dir_fd=tree.dir(d)) == row[2]
         except (OSError, RemoteError):
             return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size")
-
-
-def _same_stat(real, rel, entry):
-    """``_intact`` by path, for the state report only: it reads metadata and changes nothing (a folder
-    swapped for a symlink shows another inode, so its files count as changed and are sent again,
-    through the O_NOFOLLOW walk)."""
-    return _row_intact(real, rel, [entry.get(k) for k in FIELDS])
+    return stat.S_ISREG(st.st_mode) and st.st_size == row[3]
 
 
 def _row_intact(real, rel, row):
-    """``_same_stat`` on a manifest row as stored (FIELDS order), with no dict made per file."""
+    """``_intact`` by path, for the state report and the check after a push: it reads metadata and
+    changes nothing (a folder swapped for a symlink shows another inode, so its files count as changed
+    and are sent again, through the O_NOFOLLOW walk). On a manifest row as stored (FIELDS order)."""
     if not isinstance(row, list) or len(row) != len(FIELDS):
         return False
     path = real + "/" + rel
@@ -226,16 +227,10 @@ def _load_rows(meta_fd):
     return files, doc.get("digest"), owner
 
 
-def _load_manifest(meta_fd):
-    """(path -> {sha256, mode, link, size, mtime_ns, ino}, the digest recorded with them, the owner)."""
-    rows, digest, owner = _load_rows(meta_fd)
-    return {rel: dict(zip(FIELDS, row)) for rel, row in rows.items()}, digest, owner
-
-
-def _save_manifest(meta_fd, files, owner=None):
-    digest = digest_of(files)
-    doc = {"version": 2, "fields": FIELDS, "digest": digest,
-           "files": {rel: [e.get(k) for k in FIELDS] for rel, e in files.items()}}
+def _save_manifest(meta_fd, rows, owner=None):
+    """Write the manifest (path -> row, FIELDS order); its digest."""
+    digest = _digest((rel, r[0], r[1], r[2]) for rel, r in rows.items())
+    doc = {"version": 2, "fields": FIELDS, "digest": digest, "files": rows}
     if owner is not None:
         doc["owner"] = owner
     write_atomic(MANIFEST, json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogateescape"),
@@ -313,11 +308,11 @@ def op_state(req: StateRequest):
     """The manifest (path -> [sha256, mode, link]), its digest, and the files no longer as dfo left them."""
     d = Dest(req["dest"], create=False)
     try:
-        files, digest, owner = _load_manifest(d.meta_fd)
-        dirty = [rel for rel, e in files.items() if d.tree is None or not _same_stat(d.real, rel, e)]
-        return {"dest": d.real, "digest": digest if files else None, "dirty": dirty,
-                "owner": owner["job"] if owner else None, "foreign": _foreign(owner, files, req),
-                "files": {rel: [e.get("sha256"), e.get("mode"), e.get("link")] for rel, e in files.items()}}
+        rows, digest, owner = _load_rows(d.meta_fd)
+        dirty = [rel for rel, r in rows.items() if d.tree is None or not _row_intact(d.real, rel, r)]
+        return {"dest": d.real, "digest": digest if rows else None, "dirty": dirty,
+                "owner": owner["job"] if owner else None, "foreign": _foreign(owner, rows, req),
+                "files": {rel: r[:3] for rel, r in rows.items()}}
     finally:
         d.close()
 
@@ -414,7 +409,8 @@ def _push(req, stream, want=None):
     try:
         lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
         fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
-        files, _digest, owner = _load_manifest(d.meta_fd)
+        files, _old_digest, owner = _load_rows(d.meta_fd)  # path -> row (FIELDS order), as stored
+        files = {rel: r for rel, r in files.items() if isinstance(r, list) and len(r) == len(FIELDS)}
         for rel in [f["path"] for f in req.get("files", [])] + list(req.get("delete", [])):
             check_rel(rel)
         took_over, released = None, []
@@ -458,8 +454,7 @@ def _push(req, stream, want=None):
                 _into_place(tree, rel, tmp, tmp_fd, fd, name)
                 if st is None:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                files[rel] = {"sha256": f.get("sha256"), "mode": f.get("mode"), "link": f.get("link"),
-                              "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+                files[rel] = [f.get("sha256"), f.get("mode"), f.get("link"), st.st_size, st.st_mtime_ns, st.st_ino]
                 sent += 1
         finally:
             os.close(tmp_fd)
@@ -477,8 +472,8 @@ def _push(req, stream, want=None):
         d.close()
 
 
-def _all_intact(d, files, skip=()):
-    return d.tree is not None and all(_same_stat(d.real, rel, e) for rel, e in files.items() if rel not in skip)
+def _all_intact(d, rows, skip=()):
+    return d.tree is not None and all(_row_intact(d.real, rel, r) for rel, r in rows.items() if rel not in skip)
 
 
 def op_sync(req: PushRequest):
