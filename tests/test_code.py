@@ -392,3 +392,39 @@ def test_the_tree_digest_is_reused_only_while_every_file_keeps_its_key(tmp_path:
     (src / "pkg/m2.py").write_text("x = 9\n")
     changed = Local(loaded).result()
     assert changed.digest != full and changed.digest == digest_of(changed.view()) and len(reads) == 2
+
+
+def test_a_damaged_manifest_row_counts_as_changed_never_as_gone(tmp_path: Path) -> None:
+    """The node's manifest holds rows that are short, too long or not lists (a damaged file): state
+    reports them dirty without failing, a push told to delete them keeps them (they are not what dfo
+    wrote, so not dfo's to delete) and says so, and a folder whose manifest names no owner still counts
+    as another job's for a push that names one (takeover refused, nothing written)."""
+    import io
+    import json as _json
+
+    from remote._proto import split_frame
+    from remote.files import push
+
+    dest = tmp_path / "code"
+    (dest / ".dfo").mkdir(parents=True)
+    for name in ("a.py", "b.py", "c.py", "d.py"):
+        (dest / name).write_text(name)
+    st = os.lstat(dest / "a.py")
+    good = ["0" * 64, 0o644, None, st.st_size, st.st_mtime_ns, st.st_ino]
+    rows = {"a.py": good, "b.py": good[:3], "c.py": {"sha256": "x"}, "d.py": [*good, "extra"]}
+    manifest = dest / ".dfo" / push.MANIFEST
+    manifest.write_text(_json.dumps({"version": 2, "fields": push.FIELDS, "digest": "d", "files": rows}))
+    state = push.op_state({"dest": str(dest)})
+    assert sorted(state["dirty"]) == ["b.py", "c.py", "d.py"], state
+    assert state["files"]["c.py"] == [None, None, None] and state["files"]["b.py"] == good[:3]
+    # as the node runs it (its own process: a push holds the dest's lock until its process ends)
+    r = subprocess.run([sys.executable, "-S", "-m", "remote.files.push"], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True,
+                       input=_json.dumps({"op": "push", "dest": str(dest), "job": "j", "delete": ["b.py"]}) + "\n",
+                       timeout=60)
+    frames = [split_frame(line) for line in r.stdout.splitlines()]
+    refused = next(_json.loads(f[1]) for f in frames if f and f[0] == "result")["data"]
+    assert refused["foreign"] and not refused["match"] and (dest / "b.py").exists(), r.stdout + r.stderr
+    done = push._push({"dest": str(dest), "files": [], "delete": ["b.py", "c.py", "a.py"]}, io.BytesIO(b""))
+    assert sorted(done["kept_files"]) == ["b.py", "c.py"] and done["deleted"] == 1, done
+    assert (dest / "b.py").exists() and (dest / "c.py").exists() and not (dest / "a.py").exists()

@@ -63,6 +63,14 @@ def _accepted(tb: Any, node: Any) -> int:
     return _sshd_log(tb, node).count("Accepted publickey")
 
 
+def _end(control: Path) -> None:
+    """End the master at ``control`` (ssh -O exit) and wait until its socket is gone."""
+    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={control}", "x"], capture_output=True, timeout=10)
+    deadline = time.monotonic() + 5
+    while control.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _gone(runtime_dir: Path) -> None:
     """No ssh naming dfo's folder runs, and no connection folder is left (a command with ssh_persist 0)."""
     deadline = time.monotonic() + 5
@@ -130,10 +138,7 @@ def test_a_shared_master_is_started_early_only_when_none_is_there(testbed: Any, 
     assert r.returncode == 0 and ADOPTED not in r.stderr, r.stderr
     assert _accepted(testbed, node) == before, (r.stderr, _sshd_log(testbed, node)[-3000:])
     control = masters.pop()
-    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={control}", "x"], capture_output=True, timeout=10)
-    deadline = time.monotonic() + 5
-    while control.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _end(control)
     r = dfo(inv, "-v", "status", "-H", node.name)
     assert r.returncode == 0 and ADOPTED in r.stderr, r.stderr
     assert _accepted(testbed, node) - before == 1
@@ -229,10 +234,7 @@ def test_a_shared_master_made_by_a_refused_early_ssh_takes_no_command(testbed: A
     rec = _record(runtime_dir)
     doc = json.loads(rec.read_text())
     control = Path(doc["control"])
-    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={control}", "x"], capture_output=True, timeout=10)
-    deadline = time.monotonic() + 5
-    while control.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _end(control)
     rec.write_text(json.dumps(dict(doc, config=doc["config"] + "# not what the inventory makes\n")))
     monkeypatch.setenv("DFO_VERBOSE", "1")
     before = _accepted(testbed, node)

@@ -373,21 +373,26 @@ def remember(name: str, folder: Path, config_text: str, control: str, persist: f
     rec = {"check": _session.check, "inventory": _session.inventory, "name": name, "config": hollow(config_text),
            "control": control if persist > 0 else _CONTROL, "persist": persist, "argv": [hollow(a) for a in argv],
            "watch": _stats(watch)}
-    text = json.dumps(rec, indent=1)
     try:
-        path = _record_path(state_dir(), _session.inventory, name)
-        try:
-            if path.read_text() == text:
-                return
-        except OSError:
-            pass
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_private(_record_path(state_dir(), _session.inventory, name), json.dumps(rec, indent=1))
     except (OSError, ConfigError):
         pass  # no record: the next command connects after its start-up, as without one
+
+
+def write_private(path: Path, text: str) -> bool:
+    """``text`` into ``path``, 0600, through a temporary name renamed over it, unless the file holds it
+    already; whether it wrote."""
+    try:
+        if path.read_text() == text:
+            return False
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return True
 
 
 def finish() -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from .. import cache_dir
 from ..errors import ConfigError, HostError
-from .openssh_early import state_dir
+from .openssh_early import state_dir, write_private
 
 MIN_VERSION = (8, 0)
 MUX_PROBE_S = 2.0  # a live master answers the mux hello at once; a hung one never does
@@ -181,17 +181,8 @@ def write_config(name: str, lines: list[str], *, folder: Path | None = None) -> 
     text = "\n".join(lines) + "\n"
     folder = folder or state_dir()
     path = folder / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.conf"
-    try:
-        if path.read_text() == text:
-            os.utime(path)  # in use: openssh_keys.clean_stale removes only files unused for a week
-            return path
-    except OSError:
-        pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    if not write_private(path, text):
+        os.utime(path)  # in use: openssh_keys.clean_stale removes only files unused for a week
     return path
 
 

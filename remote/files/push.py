@@ -204,6 +204,15 @@ def _row_intact(real, rel, row):
 FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list
 
 
+def _row(row):
+    """A stored row as FIELDS' six values: a damaged one (short, long, not a list) cut or filled with None,
+    so that its file counts as no longer what dfo wrote (kept and reported, never deleted)."""
+    if isinstance(row, list) and len(row) == len(FIELDS):
+        return row
+    got = list(row[:len(FIELDS)]) if isinstance(row, list) else []
+    return got + [None] * (len(FIELDS) - len(got))
+
+
 def _load_rows(meta_fd):
     """(path -> [sha256, mode, link, size, mtime_ns, ino] as stored, the digest recorded with them,
     the owner {job, workspace} or None)."""
@@ -312,7 +321,7 @@ def op_state(req: StateRequest):
         dirty = [rel for rel, r in rows.items() if d.tree is None or not _row_intact(d.real, rel, r)]
         return {"dest": d.real, "digest": digest if rows else None, "dirty": dirty,
                 "owner": owner["job"] if owner else None, "foreign": _foreign(owner, rows, req),
-                "files": {rel: r[:3] for rel, r in rows.items()}}
+                "files": {rel: _row(r)[:3] for rel, r in rows.items()}}
     finally:
         d.close()
 
@@ -410,7 +419,7 @@ def _push(req, stream, want=None):
         lock = os.open("code.lock", os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=d.meta_fd)
         fcntl.flock(lock, fcntl.LOCK_EX)  # one push into a dest at a time (it is released when the process ends)
         files, _old_digest, owner = _load_rows(d.meta_fd)  # path -> row (FIELDS order), as stored
-        files = {rel: r for rel, r in files.items() if isinstance(r, list) and len(r) == len(FIELDS)}
+        files = {rel: _row(r) for rel, r in files.items()}
         for rel in [f["path"] for f in req.get("files", [])] + list(req.get("delete", [])):
             check_rel(rel)
         took_over, released = None, []
