@@ -267,7 +267,7 @@ def _spawn(base: Path, name: str) -> Early | None:
     persist = float(rec["persist"])
     if persist > 0 and os.path.exists(rec["control"]):
         return None  # a shared master may be there: the command's transport asks it, as always
-    folder = base / f"c-{os.getpid()}-{os.urandom(4).hex()}"
+    folder = conn_folder(base)
     # ssh_persist 0: the master's socket is the connection's own, named from its folder's name
     control = str(own_control(folder)) if persist <= 0 else str(rec["control"])
 
@@ -278,12 +278,8 @@ def _spawn(base: Path, name: str) -> Early | None:
     argv = [fill(str(a)) for a in rec["argv"]]
     if not os.access(argv[0], os.X_OK):
         return None
-    folder.mkdir(mode=0o700)
     try:
-        os.close(os.open(folder / "new_keys", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        fd = os.open(folder / "config", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
+        make_conn_folder(folder, text)
         from .base import sh_command
 
         marker = os.urandom(8).hex()
@@ -341,6 +337,20 @@ def end_master(path: str, timeout: float = 0.5, stop_listening: bool = False) ->
         pass
     finally:
         s.close()
+
+
+def conn_folder(base: Path) -> Path:
+    """The path of a new connection's own folder, ``c-PID-TOKEN`` (openssh_keys._clean_stale reads the pid)."""
+    return base / f"c-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def make_conn_folder(folder: Path, config_text: str) -> None:
+    """Make ``folder`` (0700) with the connection's empty new-keys file and its config (0600, new files)."""
+    folder.mkdir(mode=0o700)
+    os.close(os.open(folder / "new_keys", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    fd = os.open(folder / "config", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(config_text)
 
 
 def take(name: str) -> Early | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -194,16 +193,11 @@ def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
         if own and text == early.config_text and str(control) == early.control:
             return Prepared(ssh, early.folder, early.folder / "config", early.folder / "new_keys", control, own,
                             target_strict, ca, strict_hops, text)
-    folder = base / f"c-{os.getpid()}-{secrets.token_hex(4)}"
-    folder.mkdir(mode=0o700)
-    new_keys = folder / "new_keys"
-    new_keys.touch(mode=0o600)
+    folder = early_mod.conn_folder(base)
     text, control, own = made(folder)
-    config = folder / "config"
-    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return Prepared(ssh, folder, config, new_keys, control, own, target_strict, ca, strict_hops, text)
+    early_mod.make_conn_folder(folder, text)
+    return Prepared(ssh, folder, folder / "config", folder / "new_keys", control, own, target_strict, ca, strict_hops,
+                    text)
 
 
 def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:

@@ -161,29 +161,29 @@ def _lstat_at(tree, rel):
         return None
 
 
-def _intact(tree, rel, row):
-    """True when ``rel`` on the node is still what dfo wrote (inode, size, mtime; a link's target), by its
-    manifest row (FIELDS order)."""
-    if not isinstance(row, list) or len(row) != len(FIELDS):
-        return False
-    st = _lstat_at(tree, rel)
+def _matches(st, row, read_link):
+    """Whether ``st`` (an lstat, None: nothing there) is still the file of manifest ``row`` (FIELDS order) as
+    dfo wrote it: inode, mtime and size, or for a link its target (``read_link()``)."""
     if st is None or st.st_ino != row[5] or st.st_mtime_ns != row[4]:
         return False
     if row[2] is not None:
-        if not stat.S_ISLNK(st.st_mode):
-            return False
-        d, name = Tree.split(rel)
         try:
-            return os.readlink(name, dir_fd=tree.dir(d)) == row[2]
+            return stat.S_ISLNK(st.st_mode) and read_link() == row[2]
         except (OSError, RemoteError):
             return False
     return stat.S_ISREG(st.st_mode) and st.st_size == row[3]
 
 
+def _intact(tree, rel, row):
+    """``_matches`` through the dest's open folders (a folder swapped for a symlink is never followed)."""
+    d, name = Tree.split(rel)
+    return _matches(_lstat_at(tree, rel), row, lambda: os.readlink(name, dir_fd=tree.dir(d)))
+
+
 def _row_intact(real, rel, row):
-    """``_intact`` by path, for the state report and the check after a push: it reads metadata and
+    """``_matches`` by path, for the state report and the check after a push: it reads metadata and
     changes nothing (a folder swapped for a symlink shows another inode, so its files count as changed
-    and are sent again, through the O_NOFOLLOW walk). On a manifest row as stored (FIELDS order)."""
+    and are sent again, through the O_NOFOLLOW walk). On a manifest row as stored: a damaged one is not."""
     if not isinstance(row, list) or len(row) != len(FIELDS):
         return False
     path = real + "/" + rel
@@ -191,14 +191,7 @@ def _row_intact(real, rel, row):
         st = os.lstat(path)
     except OSError:
         return False
-    if st.st_ino != row[5] or st.st_mtime_ns != row[4]:
-        return False
-    if row[2] is not None:
-        try:
-            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == row[2]
-        except OSError:
-            return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == row[3]
+    return _matches(st, row, lambda: os.readlink(path))
 
 
 FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list
