@@ -234,8 +234,18 @@ def module_command(module: str, python: str, env: dict[str, str] | None = None, 
         f'D={agent_dir_expr(digest)}; {checks} || exit {NEED_UPLOAD}; '
         f'command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; '
         f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
-        f'exec {py} {flags} -m {module} {argv}'
+        f'exec {py} {flags} {launch(module)} {argv}'
     )
+
+
+def launch(module: str) -> str:
+    """How the node's python starts ``module``: ``-m MODULE``, or for the modules called most often
+    (SITE_FREE: status, sync-code, verify-env...) ``-c 'from MODULE import entry; entry()'``, the same run
+    without runpy (importing it and importlib.util costs each call 1.5-3.5 ms on the node)."""
+    if module in SITE_FREE:
+        return "-c " + shlex.quote(f"from {module} import entry; entry()")
+    return f"-m {module}"
+
 
 
 def _carried(parts: list[str]) -> tuple[list[tuple[str, str, int]], bytes]:

@@ -28,8 +28,9 @@ controller (orchestrator/agent.py ``run_module``) passes on only events that car
 whose payload is an open-ended report nests it under one field (``step``, ``outputs``), so no key
 of the report can clash with ``kind``.
 """
-import json
 import sys
+
+from remote.lib import fastjson as json  # json.loads/dumps without importing json (3.5 ms a call)
 
 EVENT_PREFIX = "@@DFO-EVENT@@ "
 RESULT_PREFIX = "@@DFO-RESULT@@ "

@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -218,6 +219,11 @@ def test_boot_adds_vendor_to_an_installed_core_when_a_vendor_user_needs_it(tmp_p
 # --------------------------------------------------------------------------- the controller's choice, recorded
 
 
+def _carries(command: str) -> bool:
+    """Whether a module command installs dfo's node code from its stdin (remote/_boot.py) first."""
+    return shlex.quote(agent._boot_text()) in command
+
+
 class _Conn:
     """Answers like a node: 97 while the call checks markers the node lacks; records commands and stdin."""
 
@@ -231,7 +237,7 @@ class _Conn:
         stdin = kw.get("stdin")
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin or b"")
         self.calls.append((command, data))
-        if " -c " in command:  # the boot: it installs what it carries
+        if _carries(command):  # the boot: it installs what it carries
             self.has |= {s.split(":")[0] for s in command.split('"$D" ')[1].split(" ")[0].split(",")}
         elif any(f'"$D/{agent.MARKERS[p]}"' in command and p not in self.has for p in agent.PARTS):
             return Result("n1", command, "", "", agent.NEED_UPLOAD, 0.01)
@@ -253,12 +259,12 @@ def test_a_new_node_gets_what_each_command_needs_in_the_call_itself(cache: Path)
     core = agent.bundle("core")[1]
     assert len(conn.calls) == 1 and conn.calls[0][1] == core + b'{"op": "state"}'  # one command, core first
     agent.run_module(conn, agent.NODE.probe, {})  # type: ignore[arg-type]
-    assert len(conn.calls) == 2 and " -c " not in conn.calls[1][0]  # known now: nothing carried
+    assert len(conn.calls) == 2 and not _carries(conn.calls[1][0])  # known now: nothing carried
     agent.run_module(conn, agent.NODE.provision, {})  # type: ignore[arg-type]
     assert len(conn.calls) == 3 and conn.calls[2][1].startswith(agent.bundle("vendor")[1])  # vendor alone
     agent._KNOWN.clear()  # a new dfo process reads the record
     agent.run_module(conn, agent.NODE.pkgcheck, {})  # type: ignore[arg-type]
-    assert len(conn.calls) == 4 and " -c " not in conn.calls[3][0]
+    assert len(conn.calls) == 4 and not _carries(conn.calls[3][0])
 
 
 def test_a_node_that_lost_its_copy_gets_it_again_in_one_more_command(cache: Path) -> None:
@@ -266,7 +272,7 @@ def test_a_node_that_lost_its_copy_gets_it_again_in_one_more_command(cache: Path
     agent.run_module(conn, agent.NODE.provision, {})  # type: ignore[arg-type]
     conn.has.clear()  # the node's cache was removed
     agent.run_module(conn, agent.NODE.push, {"op": "state"})  # type: ignore[arg-type]
-    assert len(conn.calls) == 3 and conn.calls[1][1] == b'{"op": "state"}' and " -c " in conn.calls[2][0]
+    assert len(conn.calls) == 3 and conn.calls[1][1] == b'{"op": "state"}' and _carries(conn.calls[2][0])
 
 
 def test_a_refused_install_is_agent_missing_and_not_recorded(cache: Path) -> None:

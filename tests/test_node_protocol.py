@@ -9,6 +9,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,9 @@ def test_one_dispatcher_serves_every_op_module() -> None:
         own = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare) and isinstance(n.left, ast.Name)
                and n.left.id == "op"]
         assert own == [], f"{path}: a hand-written op dispatcher at lines {own}"
-    main = (ROOT / "remote/runs/__main__.py").read_text()
-    assert "serve(OPS)" in main and "serve(OPS)" in (ROOT / "remote/gang/__main__.py").read_text()
+    runs = (ROOT / "remote/runs/__init__.py").read_text()  # its entry(): python3 -m remote.runs, or the -c launch
+    assert "serve(OPS)" in runs and "entry()" in (ROOT / "remote/runs/__main__.py").read_text()
+    assert "serve(OPS)" in (ROOT / "remote/gang/__main__.py").read_text()
 
 
 def test_dispatch_runs_the_named_op_and_names_the_known_ones() -> None:
@@ -112,8 +114,9 @@ def test_run_module_sends_the_payload_after_the_request_line(monkeypatch: pytest
     assert got == {"n": 1} and len(conn.calls) == 2
     req = json.dumps({"op": "sync", "dest": "/x"}).encode() + b"\n\x00bytes"
     (first, sent1), (again, sent2) = conn.calls
-    assert " -S -m remote.files.push" in first and bytes(sent1) == req
-    assert " -S -c " in again and " remote.files.push" in again and bytes(sent2) == agent.bundle("core")[1] + req
+    assert " -S " + agent.launch(agent.NODE.push) in first and bytes(sent1) == req
+    assert " -S -c " + shlex.quote(agent._boot_text()) in again and " remote.files.push" in again
+    assert bytes(sent2) == agent.bundle("core")[1] + req
     conn = _Conn()
     agent.run_module(conn, agent.NODE.runs, {"op": "status"})  # type: ignore[arg-type]
     assert conn.calls[0][1] == json.dumps({"op": "status"})  # no payload: the request alone, as before

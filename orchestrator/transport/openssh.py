@@ -315,8 +315,8 @@ class OpenSSH(Transport):
                     raise HostError(f"remote command did not finish within {limit:g}s", host=self.name,
                                     hint="the node may be overloaded or the link dead; retry, or raise the timeout")
                 ready = select.select(list(open_fds), [], [], SLICE_S)[0] if open_fds else []
-                if not open_fds:
-                    time.sleep(0.02)
+                if not open_fds:  # ssh closed both pipes: it exits a moment later (no fixed sleep here)
+                    _wait_exit(proc, min(SLICE_S, max(0.0, limit - (now - start))))
                 got = False
                 for fd in ready:
                     chunk = os.read(fd, bufsize)
@@ -417,6 +417,14 @@ def _feed(pipe: object, data: bytes) -> None:
     try:
         pipe.close()  # type: ignore[attr-defined]
     except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> None:
+    """Wait until ``proc`` exits, at most ``seconds`` (Popen.wait polls from 0.5 ms up)."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
         pass
 
 

@@ -12,16 +12,13 @@ needs (ensurepip, uv).
 """
 from __future__ import annotations
 
-import json
 import os
-import platform
 import pwd
-import shutil
-import subprocess
 import sys
 
 from remote._proto import main
-from remote.lib.fsutil import default_workspace, home, node_path
+from remote.lib import fastjson as json
+from remote.lib.fsutil import default_workspace, home, node_path, which
 from remote.lib.fsutil import workspace as resolve_workspace
 from remote.lib.triton_cache import cache_dir, dir_size
 
@@ -34,6 +31,8 @@ def _os_release():
                     return line.split("=", 1)[1].strip().strip('"')
     except OSError:
         pass
+    import platform  # only where /etc/os-release is missing: 1 ms of every probe otherwise
+
     return platform.platform()
 
 
@@ -71,36 +70,48 @@ def disk(path):
 
 
 def nvidia():
-    exe = shutil.which("nvidia-smi")
+    exe = which("nvidia-smi")
     if not exe:
         return {"present": False, "gpus": []}
+    import subprocess  # here: a node without GPUs never needs it
+
     q = "index,name,memory.total,compute_cap,driver_version"
+    # both at once: each nvidia-smi start costs tens to hundreds of ms on a GPU node (it opens every GPU)
+    procs = []
     try:
-        r = subprocess.run([exe, "--query-gpu=" + q, "--format=csv,noheader,nounits"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
-                           universal_newlines=True)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        for argv in ([exe, "--query-gpu=" + q, "--format=csv,noheader,nounits"], [exe]):
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, universal_newlines=True))
+        try:
+            out, err = procs[0].communicate(timeout=30)
+        except subprocess.TimeoutExpired as exc:
+            return {"present": True, "error": str(exc), "gpus": []}
+        if procs[0].returncode != 0:
+            return {"present": True, "error": (err or out).strip()[-300:], "gpus": []}
+        gpus = []
+        driver = None
+        for line in out.strip().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) < 5:
+                continue
+            driver = parts[4]
+            mem = int(parts[2]) * 1024 * 1024 if parts[2].isdigit() else None
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory": mem, "capability": parts[3]})
+        cuda = None
+        if len(procs) > 1:
+            try:
+                for tok in procs[1].communicate(timeout=30)[0].split("CUDA Version:")[1:2]:
+                    cuda = tok.split()[0]
+            except subprocess.TimeoutExpired:
+                pass
+        return {"present": True, "driver": driver, "cuda": cuda, "gpus": gpus}
+    except OSError as exc:
         return {"present": True, "error": str(exc), "gpus": []}
-    if r.returncode != 0:
-        return {"present": True, "error": (r.stderr or r.stdout).strip()[-300:], "gpus": []}
-    gpus = []
-    driver = None
-    for line in r.stdout.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 5:
-            continue
-        driver = parts[4]
-        mem = int(parts[2]) * 1024 * 1024 if parts[2].isdigit() else None
-        gpus.append({"index": int(parts[0]), "name": parts[1], "memory": mem, "capability": parts[3]})
-    cuda = None
-    try:
-        r2 = subprocess.run([exe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
-                            universal_newlines=True)
-        for tok in r2.stdout.split("CUDA Version:")[1:2]:
-            cuda = tok.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return {"present": True, "driver": driver, "cuda": cuda, "gpus": gpus}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def triton_cache():
@@ -181,7 +192,7 @@ UV_PLACES = ("~/.local/bin/uv", "~/.cargo/bin/uv")  # where uv's own installer p
 
 def find_uv(venv=None):
     """uv on PATH, else where uv's installer puts it, else the venv's own; None without one."""
-    found = shutil.which("uv")
+    found = which("uv")
     if found:
         return found
     for p in list(UV_PLACES) + ([venv.rstrip("/") + "/bin/uv"] if venv else []):
@@ -196,14 +207,16 @@ def interpreter(python):
     py = node_path(python or "python3")
     if os.path.isabs(py):
         return py if os.access(py, os.X_OK) else None
-    return shutil.which(py)
+    return which(py)
 
 
 def ensurepip(exe):
     """{"ok": bool, "package": "python3.X-venv", "version": "3.X.Y", "error": str|None} for interpreter
     ``exe``: does ``EXE -m ensurepip --version`` work (what ``EXE -m venv`` needs to give a venv pip)?
     Debian and Ubuntu ship ensurepip apart, in python3.X-venv (the python3-venv package pulls it in)."""
-    version = platform.python_version() if os.path.realpath(exe) == os.path.realpath(sys.executable) else None
+    import subprocess
+
+    version = python_version() if os.path.realpath(exe) == os.path.realpath(sys.executable) else None
     if version is None:
         try:
             r = subprocess.run([exe, "-V"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
@@ -240,6 +253,11 @@ def installer_needs(job):
     return out
 
 
+def python_version():
+    """This interpreter's version as platform.python_version() gives it ("3.11.2", "3.13.0rc1")."""
+    return sys.version.split()[0]
+
+
 def handle(req):
     ws = workspace_facts(req.get("workspace"))
     paths = dict({"workspace": ws["path"]}, **(req.get("paths") or {}))
@@ -248,14 +266,15 @@ def handle(req):
     job = req.get("provision_record")
     if job:
         records["provision"] = _record(os.path.join(ws["path"], ".dfo", "provision", "%s.json" % job))
+    uname = os.uname()
     return {
-        "hostname": platform.node(),
+        "hostname": uname.nodename,
         "os": _os_release(),
-        "kernel": platform.release(),
-        "arch": platform.machine(),
+        "kernel": uname.release,
+        "arch": uname.machine,
         "cpus": os.cpu_count(),
         "memory": _meminfo(),
-        "python": platform.python_version(),
+        "python": python_version(),
         "python_executable": sys.executable,
         "disk": {name: disk(p) for name, p in paths.items()},
         "nvidia": nvidia(),
@@ -271,5 +290,10 @@ def handle(req):
     }
 
 
-if __name__ == "__main__":
+def entry():
+    """The module's run: ``python3 -m remote.env.probe``, or the controller's ``-c`` launch (agent.module_command)."""
     main(handle)
+
+
+if __name__ == "__main__":
+    entry()

@@ -215,5 +215,10 @@ def _send_one(raw, root, i, f):
 OPS = {"list": op_list, "send": op_send}
 
 
-if __name__ == "__main__":
+def entry():
+    """The module's run: ``python3 -m remote.files.pull``, or the controller's ``-c`` launch (agent.module_command)."""
     serve(OPS)
+
+
+if __name__ == "__main__":
+    entry()

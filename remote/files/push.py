@@ -519,5 +519,10 @@ def _code_errors(op):
 OPS = {"state": _code_errors(op_state), "push": _code_errors(op_push), "sync": _code_errors(op_sync)}
 
 
-if __name__ == "__main__":
+def entry():
+    """The module's run: ``python3 -m remote.files.push``, or the controller's ``-c`` launch (agent.module_command)."""
     serve(OPS)
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,5 +1,4 @@
 """``python3 -m remote.runs``: see remote.runs.ops."""
-from remote._proto import serve
-from remote.runs.ops import OPS
+from remote.runs import entry
 
-serve(OPS)
+entry()

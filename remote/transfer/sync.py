@@ -331,5 +331,10 @@ def sync(req):
     return summary_names(out, "kept", kept)
 
 
-if __name__ == "__main__":
+def entry():
+    """The run: ``python3 -m remote.transfer.sync``, or the controller's ``-c`` launch (agent.module_command)."""
     main(sync)
+
+
+if __name__ == "__main__":
+    entry()
