@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -288,8 +289,9 @@ def test_a_push_from_here_again_is_one_command(env: Env, monkeypatch: pytest.Mon
         # node), then the files: two commands
         assert (first.status, first.fetched, len(c.commands)) == ("done", 20, 2)
         ran = [cmd for cmd in c.commands if "remote.files.push" in cmd]
-        assert " -S -c " in ran[0] and " remote.files.push " in ran[0]  # the node code first, then the module
-        assert " -S -m remote.files.push" in ran[1], ran  # no site-packages on the node
+        boot = " -S -c " + shlex.quote(agent._boot_text())
+        assert boot in ran[0] and " remote.files.push " in ran[0]  # the node code first, then the module
+        assert boot not in ran[1] and " -S " + agent.launch(agent.NODE.push) + " " in ran[1], ran  # no site-packages
         none = c.push(job)
         assert (none.status, none.fetched, len(c.commands)) == ("no change", 0, 1)
         (env.src / "m3.py").write_text("x = 'three'\n")

@@ -43,7 +43,7 @@ HOME = "/home/ubuntu"
 PY36 = '''\
 """python 3.6 as dfo sees it: the real interpreter under this driver says 3.6.15 (sys.version_info,
 sys.version, -V) and compiles as 3.6 does (a module with `from __future__ import annotations` is a
-SyntaxError). Only `[options] -m MODULE [args]` and -V, which is all dfo runs."""
+SyntaxError). Only `[options] -m MODULE [args]`, `[options] -c CODE [args]` and -V, which is all dfo runs."""
 import builtins
 import os
 import runpy
@@ -53,10 +53,10 @@ args = sys.argv[1:]
 if args[:1] in (["-V"], ["--version"]):
     print("Python 3.6.15")
     sys.exit(0)
-while args and args[0].startswith("-") and args[0] != "-m":
+while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
     args.pop(0)
-if len(args) < 2 or args[0] != "-m":
-    sys.exit("fake python 3.6: only -m MODULE")
+if len(args) < 2 or args[0] not in ("-m", "-c"):
+    sys.exit("fake python 3.6: only -m MODULE or -c CODE")
 _compile = builtins.compile
 
 
@@ -72,8 +72,12 @@ builtins.compile = compile36
 sys.version_info = (3, 6, 15, "final", 0)
 sys.version = "3.6.15 (default, Dec  2 2021, 00:00:00) \\n[GCC 12.2.0]"
 sys.executable = os.environ.get("FAKE_PY36_SELF") or sys.argv[0]
-sys.argv = [args[1]] + args[2:]
-runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+if args[0] == "-c":
+    sys.argv = ["-c"] + args[2:]
+    exec(compile36(args[1], "<string>", "exec"), {"__name__": "__main__"})
+else:
+    sys.argv = [args[1]] + args[2:]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
 '''
 
 # only what an old python prints when it meets dfo's modules (and -V): no python code runs at all
@@ -141,7 +145,7 @@ def test_job_paths_keep_home_for_the_node(tmp_path: Path) -> None:
 def test_shell_commands_leave_home_and_workspace_to_the_node(tmp_path: Path) -> None:
     """run.command's paths under ~ are "$HOME"/..., the node's default workspace "$DFO_WORKSPACE"; the
     agent's launcher finds an interpreter under ~. (Before: '~/venv/bin/python', quoted: never expanded.)"""
-    from orchestrator.agent import module_command
+    from orchestrator.agent import launch, module_command
     from orchestrator.config.models import load_job
     from orchestrator.steps.runs import render_command
 
@@ -156,7 +160,8 @@ def test_shell_commands_leave_home_and_workspace_to_the_node(tmp_path: Path) -> 
                          capture_output=True, text=True).stdout.split("\n")
     assert out[:6] == ["--d", "/home/u/d", "--ws", "/home/u/workspace", "--rd", "/r"]
     line = module_command("remote.env.probe", "~/py/bin/python3")
-    assert 'command -v "$HOME"/py/bin/python3 ' in line and 'exec "$HOME"/py/bin/python3  -m remote.env.probe' in line
+    assert 'command -v "$HOME"/py/bin/python3 ' in line and 'exec "$HOME"/py/bin/python3  -c ' in line
+    assert line.endswith(" " + launch("remote.env.probe") + " ")
 
 
 # --------------------------------------------------------------------------- unit: prerequisites

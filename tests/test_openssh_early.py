@@ -255,3 +255,30 @@ def test_a_shared_master_made_by_a_refused_early_ssh_takes_no_command(testbed: A
     assert _master_pid(control) != refused  # the socket is the command's own master's now
     doc2 = json.loads(rec.read_text())
     assert doc2["config"] == doc["config"]  # the record is what the inventory makes again
+
+
+def test_records_and_configs_unused_for_a_week_are_removed_once_a_process(runtime_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """openssh_keys._clean_stale: early-ssh records and resolution configs untouched for 7 days go, fresh
+    ones stay; a record still in use gets its time renewed once a day (write_private), so it never ages
+    out; the folder is gone through once per process, not once per host."""
+    import os
+
+    from orchestrator.transport import openssh_keys
+
+    monkeypatch.setattr(openssh_keys, "_CLEANED", set())
+    base = openssh_early.state_dir()
+    week = 7 * 86400
+    old, fresh, used = base / "early-00000000000000aa.json", base / "resolve-00aa.conf", base / "early-bb.json"
+    gone_cfg = base / "resolve-11bb.conf"
+    for p in (old, fresh, used, gone_cfg):
+        p.write_text("{}")
+    for p in (old, used, gone_cfg):
+        os.utime(p, (time.time() - week - 60, time.time() - week - 60))
+    assert openssh_early.write_private(used, "{}") is False  # unchanged: not written, but its time renewed
+    assert time.time() - used.stat().st_mtime < 60
+    openssh_keys._clean_stale(base)
+    assert not old.exists() and not gone_cfg.exists() and fresh.exists() and used.exists()
+    os.utime(fresh, (time.time() - week - 60, time.time() - week - 60))
+    openssh_keys._clean_stale(base)  # the same process: not gone through again
+    assert fresh.exists()

@@ -129,8 +129,13 @@ def op_send(req):
 
 OPS = dict(h.OPS, list=op_list, send=op_send)
 
-if __name__ == "__main__":
+
+def entry():  # how the controller starts the module (orchestrator/agent.py launch)
     serve(OPS)
+
+
+if __name__ == "__main__":
+    entry()
 '''
 
 # remote/runs/ops.py, lying: every run it describes carries the id written in /root/.dfo-lie
@@ -298,9 +303,9 @@ def test_a_run_id_from_the_node_never_leads_outside_runs(env: Env, tmp_path: Pat
 
 def test_the_run_id_pattern_is_the_one_launch_uses() -> None:
     from orchestrator.steps.pull import RUN_ID
-    from remote.runs.ops import _RUN_ID
+    from remote.runs.ops import RUN_ID_PATTERN
 
-    assert RUN_ID.pattern == _RUN_ID.pattern
+    assert RUN_ID.pattern == RUN_ID_PATTERN
 
 
 # --------------------------------------------------------------------------- 2: gangs, the lock, the disk

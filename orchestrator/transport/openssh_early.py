@@ -391,9 +391,12 @@ def remember(name: str, folder: Path, config_text: str, control: str, persist: f
 
 def write_private(path: Path, text: str) -> bool:
     """``text`` into ``path``, 0600, through a temporary name renamed over it, unless the file holds it
-    already; whether it wrote."""
+    already (then its time is set to now once a day: a file in use is never a week old for
+    openssh_keys._clean_stale); whether it wrote."""
     try:
         if path.read_text() == text:
+            if time.time() - path.stat().st_mtime > 86400:
+                os.utime(path)
             return False
     except OSError:
         pass

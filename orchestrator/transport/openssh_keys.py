@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,17 +123,28 @@ def _strict_hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]) -> l
     return out
 
 
+_CLEANED: set[str] = set()  # the folders _clean_stale went through in this process
+_CLEAN_LOCK = threading.Lock()
+
+
 def _clean_stale(base: Path) -> None:
-    """Remove the connection folders of dfo processes that are gone (killed before close()), and the
-    resolution configs no dfo has used for a week (openssh_setup.write_config touches them on use)."""
+    """Once per process and folder: remove the connection folders of dfo processes that are gone (killed
+    before close()), and the resolution configs and early-ssh records no dfo has used for a week (both are
+    touched on use: openssh_setup.write_config, openssh_early.write_private)."""
     import time
 
-    for p in base.glob("resolve-*.conf"):
-        try:
-            if time.time() - p.stat().st_mtime > 7 * 86400:
-                p.unlink()
-        except OSError:
-            pass
+    with _CLEAN_LOCK:
+        if str(base) in _CLEANED:
+            return
+        _CLEANED.add(str(base))
+    week_ago = time.time() - 7 * 86400
+    for pattern in ("resolve-*.conf", "early-*.json"):
+        for p in base.glob(pattern):
+            try:
+                if p.stat().st_mtime < week_ago:
+                    p.unlink()
+            except OSError:
+                pass
     for p in base.glob("c-*-*"):
         try:
             pid = int(p.name.split("-")[1])

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import stat
 import time
 
 from remote._proto import RemoteError, payload, serve
+from remote.lib import fastjson as json
 from remote.lib.destsafety import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
 from remote.lib.fsutil import FILE_FLAGS, node_path, write_atomic
 from remote.lib.fsutil import workspace as fsutil_workspace

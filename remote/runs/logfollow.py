@@ -13,7 +13,6 @@ a dropped connection, so a file replaced while nobody was watching is caught too
 and then grown past the offset between two looks cannot be told from one that only grew; ``tail -F``
 has the same limit.)
 """
-import base64
 import errno
 import os
 import select
@@ -31,6 +30,8 @@ def chunk_fields(offset, data):
     try:
         return {"o": offset, "t": data.decode("utf-8")}
     except UnicodeDecodeError:
+        import base64  # bytes that are not UTF-8 only
+
         return {"o": offset, "d": base64.b64encode(data).decode()}
 
 

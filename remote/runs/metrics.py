@@ -37,7 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-METRICS = "metrics.jsonl"
+from remote.runs.record import METRICS, last_rows  # noqa: F401 - (status reads them without this module)
+
 MAX_BYTES = 8 << 20
 TRAIN_ROWS_PER_TICK = 50
 LOG_READ_MAX = 4 << 20  # bytes of new log read per tick (a faster log is skipped forward)
@@ -332,32 +333,6 @@ def downsample(path, max_bytes):
         f.writelines(kept)
     os.replace(tmp, path)
     return True
-
-
-def last_rows(path, max_bytes=65536):
-    """The last sys row and the last train row of a metrics.jsonl (None where there is none)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            f.seek(max(0, size - max_bytes))
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
-    sys_row = train = None
-    for raw in reversed(lines):
-        try:
-            row = json.loads(raw)
-        except ValueError:
-            continue
-        if not isinstance(row, dict):
-            continue
-        if sys_row is None and row.get("kind") == "sys":
-            sys_row = row
-        if train is None and row.get("kind") == "train":
-            train = row
-        if sys_row is not None and train is not None:
-            break
-    return sys_row, train
 
 
 class Sampler(object):

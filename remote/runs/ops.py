@@ -6,173 +6,175 @@ supervisor once the trainer started), log (the trainer's stdout+stderr), end.jso
 stop.json (a stop was asked for) and, with the autotune guard, autotune_guard.jsonl. Every JSON
 file is written to a temp name and renamed. ``python3 -m remote.runs`` reads ``{"op": ...}``.
 """
+from __future__ import annotations
+
 import fcntl
-import json
 import os
-import re
 import select
-import shutil
-import signal
-import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, TypedDict, Union
 
 from remote._proto import RemoteError, emit_event, serve
-from remote.files.runfiles import sync_uploads
+from remote.lib import fastjson as json
 from remote.lib import fsutil
 from remote.lib.destsafety import open_meta
-from remote.lib.redact import is_secret, redact
 from remote.runs import outputs
 from remote.runs import record as rec
 from remote.runs.logfollow import LogReader, start_offset
 from remote.runs.logfollow import Watch as _Watch
 from remote.runs.logfollow import chunk_fields as _chunk_fields
-from remote.runs.metrics import METRICS, last_rows
+from remote.runs.record import METRICS, last_rows
+
+# status, read and follow, called most, import nothing more: what launch and stop need (re, subprocess,
+# shutil, signal, the upload and redaction helpers) is imported where they start (~10 ms of a call otherwise)
 
 # --------------------------------------------------------------------------- requests and replies
 # python3 -m remote.runs reads one JSON object, {"op": NAME, ...}: every op's shapes, in this one place.
 # total=False: python 3.8 has no NotRequired; the keys an op reads with req[...] are always sent.
 
 
-class Where(TypedDict, total=False):
-    """Which run: in ``workspace`` (default /workspace), ``run`` (an id or a unique prefix; default the
-    newest, of ``job`` when given). Every op but launch and look takes these."""
-    op: str
-    workspace: str
-    run: Optional[str]
-    job: Optional[str]
-    tail: int  # with a failed or lost run: its last lines, for the diagnosis
+TYPE_CHECKING = False  # (typing is not imported at run time: ~1.5 ms of every call's start on the node)
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional, TypedDict, Union
+
+    class Where(TypedDict, total=False):
+        """Which run: in ``workspace`` (default /workspace), ``run`` (an id or a unique prefix; default the
+        newest, of ``job`` when given). Every op but launch and look takes these."""
+        op: str
+        workspace: str
+        run: Optional[str]
+        job: Optional[str]
+        tail: int  # with a failed or lost run: its last lines, for the diagnosis
 
 
-class Upload(TypedDict, total=False):
-    """A run.upload file: written into ``workdir`` when its sha256 differs (remote/files/runfiles.py)."""
-    path: str
-    sha256: str
-    mode: int
-    content_b64: str  # sent only when the node answered {"need": [path, ...]}
+    class Upload(TypedDict, total=False):
+        """A run.upload file: written into ``workdir`` when its sha256 differs (remote/files/runfiles.py)."""
+        path: str
+        sha256: str
+        mode: int
+        content_b64: str  # sent only when the node answered {"need": [path, ...]}
 
 
-class GangPlace(TypedDict, total=False):
-    """This node's place in a gang; ``secret`` goes to the supervisor's stdin only (meta.json keeps the rest)."""
-    rank: int
-    hosts: List[str]
-    hub: str
-    port: int
-    secret: str
-    gloo_ifname: Optional[bool]
-    address: str
-    peer: Optional[str]
+    class GangPlace(TypedDict, total=False):
+        """This node's place in a gang; ``secret`` goes to the supervisor's stdin only (meta.json keeps the rest)."""
+        rank: int
+        hosts: List[str]
+        hub: str
+        port: int
+        secret: str
+        gloo_ifname: Optional[bool]
+        address: str
+        peer: Optional[str]
 
 
-class LaunchRequest(TypedDict, total=False):
-    """``launch`` -> RunInfo (+ ``uploads``: [{path, sha256, changed}]), or ``{"need": [path, ...]}``."""
-    op: str
-    workspace: str
-    run_id: str
-    job: str
-    host: str
-    command: str  # rendered, run with bash -c
-    workdir: str
-    env: Dict[str, str]
-    secret_env: Dict[str, str]  # the trainer's environment only, never meta.json
-    force: bool
-    autotune_guard: bool
-    stop_grace: Optional[float]
-    job_file: str
-    uploads: List[Upload]
-    gang: GangPlace
-    outputs: Dict[str, Any]  # the shipper's spec (steps/outputs.py outputs_spec)
-    outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
-    metrics: Dict[str, Any]  # the sampler's spec (remote/runs/metrics.py): every, log_metrics, idle_*
-    notify: Dict[str, Any]  # {webhook, on}: the webhook URL goes to the supervisor's stdin only
-    generation: Dict[str, Any]  # a run that recovers (issue 20): lineage, generation, restarts so far
+    class LaunchRequest(TypedDict, total=False):
+        """``launch`` -> RunInfo (+ ``uploads``: [{path, sha256, changed}]), or ``{"need": [path, ...]}``."""
+        op: str
+        workspace: str
+        run_id: str
+        job: str
+        host: str
+        command: str  # rendered, run with bash -c
+        workdir: str
+        env: Dict[str, str]
+        secret_env: Dict[str, str]  # the trainer's environment only, never meta.json
+        force: bool
+        autotune_guard: bool
+        stop_grace: Optional[float]
+        job_file: str
+        uploads: List[Upload]
+        gang: GangPlace
+        outputs: Dict[str, Any]  # the shipper's spec (steps/outputs.py outputs_spec)
+        outputs_credentials: Optional[Dict[str, Optional[str]]]  # the shipper's stdin only
+        metrics: Dict[str, Any]  # the sampler's spec (remote/runs/metrics.py): every, log_metrics, idle_*
+        notify: Dict[str, Any]  # {webhook, on}: the webhook URL goes to the supervisor's stdin only
+        generation: Dict[str, Any]  # a run that recovers (issue 20): lineage, generation, restarts so far
 
 
-class ReadRequest(Where, total=False):
-    """``read`` -> RunInfo + a chunk (``o``, ``t`` or ``d``) + ``next_offset``."""
-    offset: Optional[int]
-    lines: Union[int, str, None]  # N: the last N lines; "+N": from line N
-    max_bytes: int
+    class ReadRequest(Where, total=False):
+        """``read`` -> RunInfo + a chunk (``o``, ``t`` or ``d``) + ``next_offset``."""
+        offset: Optional[int]
+        lines: Union[int, str, None]  # N: the last N lines; "+N": from line N
+        max_bytes: int
 
 
-class FollowRequest(ReadRequest, total=False):
-    """``follow`` -> events (``start``, ``chunk``, ``reset``, ``opened``, ``hb``, ``outputs``), then RunInfo."""
-    ino: Optional[int]
-    max_seconds: Optional[float]
-    heartbeat: float
-    to_end: bool
-    coalesce: float
-    outputs_wait: bool
+    class FollowRequest(ReadRequest, total=False):
+        """``follow`` -> events (``start``, ``chunk``, ``reset``, ``opened``, ``hb``, ``outputs``), then RunInfo."""
+        ino: Optional[int]
+        max_seconds: Optional[float]
+        heartbeat: float
+        to_end: bool
+        coalesce: float
+        outputs_wait: bool
 
 
-class StatusRequest(Where, total=False):
-    """``status`` -> ``{"runs": [RunInfo, ...]}``, newest first."""
-    limit: int
+    class StatusRequest(Where, total=False):
+        """``status`` -> ``{"runs": [RunInfo, ...]}``, newest first."""
+        limit: int
 
 
-class StopRequest(Where, total=False):
-    """``stop`` -> RunInfo (+ ``stop``, ``stop_seconds``, ``group_left``)."""
-    grace: Optional[float]
-    wait_outputs: Optional[float]
+    class StopRequest(Where, total=False):
+        """``stop`` -> RunInfo (+ ``stop``, ``stop_seconds``, ``group_left``)."""
+        grace: Optional[float]
+        wait_outputs: Optional[float]
 
 
-class ShipRequest(Where, total=False):
-    """``ship`` -> the pass (``ok``, ``files``, ``bytes``, ...) + ``run`` and ``by``; events ``{"outputs": ...}``.
-    ``outputs``/``outputs_credentials`` let the node make the pass itself when the run's shipper is gone.
-    (``outputs`` takes Where alone -> RunInfo + ``outputs_spec``.)"""
-    outputs: Dict[str, Any]
-    outputs_credentials: Optional[Dict[str, Optional[str]]]
+    class ShipRequest(Where, total=False):
+        """``ship`` -> the pass (``ok``, ``files``, ``bytes``, ...) + ``run`` and ``by``; events ``{"outputs": ...}``.
+        ``outputs``/``outputs_credentials`` let the node make the pass itself when the run's shipper is gone.
+        (``outputs`` takes Where alone -> RunInfo + ``outputs_spec``.)"""
+        outputs: Dict[str, Any]
+        outputs_credentials: Optional[Dict[str, Optional[str]]]
 
 
-class MetricsRequest(Where, total=False):
-    """``metrics`` -> RunInfo + ``rows`` (metrics.jsonl, remote/runs/metrics.py) + ``total_rows``."""
-    since: float  # only rows after this time (unix seconds)
-    max_rows: int  # evenly thinned to at most this many, the newest kept
+    class MetricsRequest(Where, total=False):
+        """``metrics`` -> RunInfo + ``rows`` (metrics.jsonl, remote/runs/metrics.py) + ``total_rows``."""
+        since: float  # only rows after this time (unix seconds)
+        max_rows: int  # evenly thinned to at most this many, the newest kept
 
 
-class LookRequest(TypedDict):
-    """``look`` -> LookReply: what outputs.path holds before a launch's restore."""
-    op: str
-    path: str
+    class LookRequest(TypedDict):
+        """``look`` -> LookReply: what outputs.path holds before a launch's restore."""
+        op: str
+        path: str
 
 
-class LookReply(TypedDict, total=False):
-    kind: str  # "missing" | "empty" | "full" | "notdir"
-    path: str  # ~ expanded on the node
-    count: int  # with "full"
+    class LookReply(TypedDict, total=False):
+        kind: str  # "missing" | "empty" | "full" | "notdir"
+        path: str  # ~ expanded on the node
+        count: int  # with "full"
 
 
-class RunInfo(TypedDict, total=False):
-    """One run as ``describe`` reports it (orchestrator/steps/runs.py RunInfo reads it)."""
-    id: str
-    job: Optional[str]
-    state: str  # running | succeeded | failed | stopped | lost
-    started: Optional[str]
-    ended: Optional[str]
-    exit_code: Optional[int]
-    signal: Optional[int]
-    pid: Optional[int]
-    pgid: Optional[int]
-    supervisor_pid: Optional[int]
-    host: Optional[str]
-    run_dir: str
-    command: Optional[str]
-    workdir: Optional[str]
-    end: Optional[Dict[str, Any]]
-    last_line: Optional[str]
-    log_size: int
-    autotune_guard: Optional[Dict[str, Any]]
-    outputs: Optional[Dict[str, Any]]
-    tail: List[str]
-    group_left: List[int]
-    gang: Dict[str, Any]
-    metrics: Optional[Dict[str, Any]]  # the last sys and train rows of metrics.jsonl
-    generation: Optional[Dict[str, Any]]  # lineage, generation, restarts (remote/runs/generation.py)
+    class RunInfo(TypedDict, total=False):
+        """One run as ``describe`` reports it (orchestrator/steps/runs.py RunInfo reads it)."""
+        id: str
+        job: Optional[str]
+        state: str  # running | succeeded | failed | stopped | lost
+        started: Optional[str]
+        ended: Optional[str]
+        exit_code: Optional[int]
+        signal: Optional[int]
+        pid: Optional[int]
+        pgid: Optional[int]
+        supervisor_pid: Optional[int]
+        host: Optional[str]
+        run_dir: str
+        command: Optional[str]
+        workdir: Optional[str]
+        end: Optional[Dict[str, Any]]
+        last_line: Optional[str]
+        log_size: int
+        autotune_guard: Optional[Dict[str, Any]]
+        outputs: Optional[Dict[str, Any]]
+        tail: List[str]
+        group_left: List[int]
+        gang: Dict[str, Any]
+        metrics: Optional[Dict[str, Any]]  # the last sys and train rows of metrics.jsonl
+        generation: Optional[Dict[str, Any]]  # lineage, generation, restarts (remote/runs/generation.py)
 
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a run id (orchestrator/steps/pull.py RUN_ID: the same)
 _DROP_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK")
 
 
@@ -269,8 +271,10 @@ def live_runs(root, job):
 
 
 def launch(req: LaunchRequest):
+    import re
+
     run_id, job = req["run_id"], req["job"]
-    if not _RUN_ID.match(run_id):
+    if not re.match(RUN_ID_PATTERN, run_id):
         raise RemoteError("usage", "bad run id %r" % run_id)
     # node paths: ~ and $HOME are this user's home (remote.lib.fsutil.node_path), expanded once, here
     req = req.copy()
@@ -304,6 +308,8 @@ def launch(req: LaunchRequest):
             os.makedirs(workdir, exist_ok=True)
         except OSError as exc:
             raise RemoteError("config", "run.workdir %s: %s" % (workdir, exc.strerror)) from None
+        from remote.files.runfiles import sync_uploads
+
         need, uploads = sync_uploads(workdir, req.get("uploads") or [])
         if need:
             return {"need": need}
@@ -319,6 +325,11 @@ def launch(req: LaunchRequest):
 
 
 def _start(req, run_id, run_dir, uploads):
+    import shutil
+    import subprocess
+
+    from remote.lib.redact import is_secret, redact
+
     env, shown = trainer_env(req, run_id, run_dir)
     # a value meta.json must not hold, even if the request called it plain (remote.lib.redact.is_secret)
     hidden = set(k for k, v in shown.items() if is_secret(k, v))
@@ -532,6 +543,8 @@ def stop(req: StopRequest):
     grace = float(asked if asked is not None else meta.get("stop_grace") or 30)
     t0 = time.time()
     rec.write_json(os.path.join(run_dir, rec.STOP), {"requested": rec.now_iso(), "grace": grace})
+    import signal
+
     _signal_group(meta, signal.SIGTERM)
     sent = "SIGTERM"
     if not _wait_gone(meta, grace):
@@ -605,4 +618,4 @@ OPS = {"launch": launch, "status": status, "read": read, "follow": follow, "stop
 
 
 if __name__ == "__main__":
-    serve(OPS)
+    serve(OPS)  # (python3 -m remote.runs runs remote/runs/__main__.py: remote.runs.entry)

@@ -6,7 +6,6 @@ The shipper writes RUN_DIR/outputs.json (``remote.ship.shipper``); the superviso
 credentials; a run without it ships nothing.
 """
 import os
-import signal
 import time
 
 from remote._proto import RemoteError, emit_event
@@ -124,6 +123,8 @@ def op_ship(req, resolve):
         want = n0 + (2 if before.get("state") == "shipping" else 1)  # a pass under way began before the ask
         rec.write_json(os.path.join(run_dir, rec.SHIP_REQUEST), {"requested": rec.now_iso()})
         try:
+            import signal
+
             os.kill(pid, signal.SIGUSR1)
         except OSError:
             alive = False

@@ -14,13 +14,15 @@ restarts) and ship.request (a pass asked for). ``remote.runs.supervisor`` writes
   process (same start time, same boot), and which of the run's process group is left;
 * ``tail_lines``, ``offset_of_last_lines``, ``offset_of_line``: the log's last lines and byte offsets;
 * ``read_json`` / ``write_json`` (durable, 0600), ``now_iso``, ``boot_id``, ``file_size``;
-* ``guard_info``: what the autotune guard recorded.
+* ``guard_info``: what the autotune guard recorded;
+* ``last_rows``: the last sys and train rows of the run's metrics.jsonl (written by remote.runs.metrics).
 """
-import json
+from __future__ import annotations
+
 import os
 import time
-from typing import List, Tuple
 
+from remote.lib import fastjson as json
 from remote.lib.fsutil import write_json  # noqa: F401 - the one durable writer (fsync of file and directory), 0600
 
 META = "meta.json"
@@ -31,6 +33,7 @@ GUARD_LOG = "autotune_guard.jsonl"
 OUTPUTS = "outputs.json"
 SHIPPER = "shipper.json"
 SHIP_REQUEST = "ship.request"
+METRICS = "metrics.jsonl"  # the sampler's rows (remote/runs/metrics.py)
 
 
 def now_iso(ts=None):
@@ -80,7 +83,7 @@ def proc_alive(pid, starttime):
 
 def group_members(pgid):
     """Pids of live (non-zombie) processes whose process group is ``pgid``."""
-    out: List[int] = []
+    out: list[int] = []
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -126,7 +129,7 @@ def run_state(run_dir, meta=None):
 
 def list_runs(root, job=None):
     """[(started_ts, run_id, run_dir)] newest first."""
-    out: List[Tuple[float, str, str]] = []
+    out: list[tuple[float, str, str]] = []
     try:
         names = os.listdir(root)
     except OSError:
@@ -228,3 +231,29 @@ def guard_info(run_dir, meta):
     installed = any(isinstance(r, dict) and (r.get("installed") is True or r.get("event") == "installed")
                     for r in records)
     return {"enabled": True, "installed": installed, "records": len(records), "last": records[-1] if records else None}
+
+
+def last_rows(path, max_bytes=65536):
+    """The last sys row and the last train row of a metrics.jsonl (None where there is none)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - max_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    sys_row = train = None
+    for raw in reversed(lines):
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if sys_row is None and row.get("kind") == "sys":
+            sys_row = row
+        if train is None and row.get("kind") == "train":
+            train = row
+        if sys_row is not None and train is not None:
+            break
+    return sys_row, train
