@@ -475,7 +475,29 @@ def _push(req, stream, want=None):
 
 
 def _all_intact(d, rows, skip=()):
-    return d.tree is not None and all(_row_intact(d.real, rel, r) for rel, r in rows.items() if rel not in skip)
+    return d.tree is not None and _rows_intact(d.real, ((rel, r) for rel, r in rows.items() if rel not in skip))
+
+
+def _rows_intact(real, rows):
+    """``all(_row_intact(real, rel, row) for rel, row in rows)`` in one loop: a push's check of every file
+    (5,000 in a no-change sync-code) spends its time in lstat, not in Python calls."""
+    lstat, is_reg, n = os.lstat, stat.S_ISREG, len(FIELDS)
+    prefix = real + "/"
+    for rel, row in rows:
+        if type(row) is not list or len(row) != n:
+            return False
+        try:
+            st = lstat(prefix + rel)
+        except OSError:
+            return False
+        if st.st_ino != row[5] or st.st_mtime_ns != row[4]:
+            return False
+        if row[2] is None:
+            if not (is_reg(st.st_mode) and st.st_size == row[3]):
+                return False
+        elif not _matches(st, row, lambda: os.readlink(prefix + rel)):  # noqa: B023 - called at once
+            return False
+    return True
 
 
 def op_sync(req: PushRequest):
@@ -495,7 +517,7 @@ def op_sync(req: PushRequest):
             if foreign:  # another job's folder, even with the same files: its owner's live run keeps it
                 _refuse_if_live(d.real, owner, req)
             match = (not foreign and bool(rows) and digest == want and d.tree is not None
-                     and all(_row_intact(d.real, rel, row) for rel, row in rows.items()))
+                     and _rows_intact(d.real, rows.items()))
             out = {"dest": d.real, "sent": 0, "bytes": 0, "deleted": 0, "kept": 0, "kept_files": [],
                    "digest": digest, "count": len(rows), "match": match}
         finally:
