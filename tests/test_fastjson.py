@@ -105,7 +105,7 @@ def test_which_finds_what_shutil_finds(tmp_path: Path, monkeypatch: pytest.Monke
     (bin2 / "tool").chmod(0o755)
     (bin1 / "dir").mkdir()  # a folder: never a command
     (bin2 / "dir").mkdir()
-    monkeypatch.setenv("PATH", f"{bin1}{os.pathsep}{bin2}")
+    monkeypatch.setenv("PATH", f"{bin1}{os.pathsep}{bin2}{os.pathsep}")  # an empty entry too, as shutil reads it
     for name in ("tool", "dir", "absent", str(bin2 / "tool"), str(bin1 / "tool"), "sh"):
         assert fsutil.which(name) == shutil.which(name), name
     assert fsutil.which("tool") == str(bin2 / "tool")

@@ -80,7 +80,7 @@ def which(name: str) -> str | None:
     if os.path.dirname(name):
         return name if _runnable(name) else None
     for folder in (os.environ.get("PATH") or os.defpath).split(os.pathsep):
-        path = os.path.join(folder or ".", name)
+        path = os.path.join(folder, name)
         if _runnable(path):
             return path
     return None
