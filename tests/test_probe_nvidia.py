@@ -47,6 +47,11 @@ def test_without_libcuda_nvidia_smis_header_says_it(smi: Path, monkeypatch: pyte
                                                         "driver_version --format=csv,noheader,nounits"]
 
 
+def test_the_driver_version_number_reads_as_cuda_writes_it() -> None:
+    assert probe.cuda_str(13000) == "13.0" and probe.cuda_str(12040) == "12.4" and probe.cuda_str(11080) == "11.8"
+    assert probe.cuda_str(12020) == "12.2" and probe.cuda_str(0) is None
+
+
 def test_libcuda_absent_here_gives_none() -> None:
     import ctypes.util
 

@@ -70,19 +70,27 @@ def disk(path):
 
 
 def driver_cuda():
-    """The CUDA version the driver supports ("13.0"), as nvidia-smi's header shows it, from libcuda's
-    cuDriverGetVersion (no GPU is touched: about 5 ms, where a plain nvidia-smi takes 100 ms on an H200
-    node); None where libcuda cannot be loaded here."""
+    """The CUDA version the driver supports ("13.0"), from libcuda's cuDriverGetVersion (no GPU is touched:
+    about 5 ms, where a plain nvidia-smi takes 100 ms on an H200 node); None where libcuda cannot be loaded
+    here. It is what nvidia-smi's header shows, except where a CUDA forward-compatibility libcuda comes
+    first on the library path (then it is that one's version: what a CUDA program there gets)."""
     try:
         import ctypes
 
         lib = ctypes.CDLL("libcuda.so.1")
         v = ctypes.c_int(0)
-        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0 or v.value <= 0:
+        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
             return None
     except (OSError, AttributeError, ImportError):
         return None
-    return "%d.%d" % (v.value // 1000, (v.value % 1000) // 10)
+    return cuda_str(v.value)
+
+
+def cuda_str(version):
+    """cuDriverGetVersion's number as CUDA writes it: 12040 -> "12.4", 13000 -> "13.0"; None for none."""
+    if version <= 0:
+        return None
+    return "%d.%d" % (version // 1000, (version % 1000) // 10)
 
 
 def nvidia():
@@ -99,8 +107,11 @@ def nvidia():
                                       universal_newlines=True))
         cuda = driver_cuda()  # while the query runs
         if cuda is None:  # no libcuda here: nvidia-smi's header says it (a second nvidia-smi, at once)
-            procs.append(subprocess.Popen([exe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, universal_newlines=True))
+            try:
+                procs.append(subprocess.Popen([exe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              stdin=subprocess.DEVNULL, universal_newlines=True))
+            except OSError:
+                pass  # the GPUs are still reported, without the CUDA version
         try:
             out, err = procs[0].communicate(timeout=30)
         except subprocess.TimeoutExpired as exc:

@@ -184,14 +184,7 @@ def _row_intact(real, rel, row):
     """``_matches`` by path, for the state report and the check after a push: it reads metadata and
     changes nothing (a folder swapped for a symlink shows another inode, so its files count as changed
     and are sent again, through the O_NOFOLLOW walk). On a manifest row as stored: a damaged one is not."""
-    if not isinstance(row, list) or len(row) != len(FIELDS):
-        return False
-    path = real + "/" + rel
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return _matches(st, row, lambda: os.readlink(path))
+    return _rows_intact(real, ((rel, row),))
 
 
 FIELDS = ("sha256", "mode", "link", "size", "mtime_ns", "ino")  # one file in the manifest, as a list

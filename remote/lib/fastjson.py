@@ -43,7 +43,10 @@ if _json is not None:
 def loads(s):
     """``json.loads(s)`` for a str (a ValueError for text that is not one JSON value)."""
     if isinstance(s, (bytes, bytearray)):
-        s = s.decode("utf-8")
+        if s[:3] == b"\xef\xbb\xbf" or b"\x00" in s[:4]:  # a BOM, UTF-16 or -32: json tells them apart
+            import json
+            return json.loads(s)
+        s = s.decode("utf-8", "surrogatepass")  # as json.loads decodes UTF-8
     if _scan is None:
         import json
         return json.loads(s)

@@ -79,7 +79,12 @@ def which(name: str) -> str | None:
     compression modules): a path is checked as it is, a bare name is looked up on $PATH."""
     if os.path.dirname(name):
         return name if _runnable(name) else None
-    for folder in (os.environ.get("PATH") or os.defpath).split(os.pathsep):
+    path = os.environ.get("PATH")
+    if path is None:
+        path = os.defpath
+    if not path:
+        return None  # PATH set and empty: nothing is found (shutil.which says the same)
+    for folder in path.split(os.pathsep):
         path = os.path.join(folder, name)
         if _runnable(path):
             return path
