@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from ..config.models import ResolvedHost
 from ..errors import ConnectionLost, DfoError, HostError, HostKeyError
-from . import openssh_early
+from . import openssh_early, openssh_mux
 from . import openssh_keys as keys
 from . import openssh_setup as setup
 from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
@@ -89,8 +89,8 @@ class OpenSSH(Transport):
         self._prep: keys.Prepared | None = None
         self._said_dead_master = False
         self._pass_over = False  # the user's own master does not answer: this transport no longer uses it
-        self._running: set[subprocess.Popen[bytes]] = set()  # the ssh of each call in flight
-        self._closed: set[subprocess.Popen[bytes]] = set()  # ... of those, the ones close() ended
+        self._running: set[subprocess.Popen[bytes] | openssh_mux.MuxSession] = set()  # each call in flight
+        self._closed: set[subprocess.Popen[bytes] | openssh_mux.MuxSession] = set()  # ... those close() ended
         self._warming: _Warm | None = None  # warm()'s call, which the calls made meanwhile wait for
         self._remembered = False  # openssh_early has the record of this connection (one per transport)
 
@@ -280,15 +280,25 @@ class OpenSSH(Transport):
         fresh = self._fresh(prep, probed)
         while True:
             marker = secrets.token_hex(8)
-            argv = self._argv(prep, sh_command(command, marker), fresh)
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            remote = sh_command(command, marker)
+            proc: subprocess.Popen[bytes] | openssh_mux.MuxSession | None = None
+            if not fresh and prep.control is not None and os.environ.get("DFO_MUX_CLIENT") != "0":
+                # over the shared connection without an ssh client of its own (openssh_mux); None: no master
+                # there, or one that would not open the session: the ssh client below makes or says it
+                proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None,
+                                                env=openssh_mux.send_env(self.host.ssh_resolved.get("sendenv", [])),
+                                                timeout=max(1.0, limit - (time.monotonic() - start)))
+            if proc is None:
+                argv = self._argv(prep, remote, fresh)
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe)
             if result is not None:
                 return result
             fresh = True  # the master failed before the session opened: once more, on a connection of its own
 
-    def _collect(self, prep: keys.Prepared, proc: subprocess.Popen[bytes], command: str, marker: str, start: float,
+    def _collect(self, prep: keys.Prepared, proc: subprocess.Popen[bytes] | openssh_mux.MuxSession, command: str,
+                 marker: str, start: float,
                  limit: float, payload: bytes | None, out: _Collector | _Stream, fresh: bool,
                  big_pipe: bool) -> Result | None:
         """Feed and read one ssh (started by _run, or at dfo's start-up) until it ends: its Result; None when
@@ -354,7 +364,7 @@ class OpenSSH(Transport):
                 self._closed.discard(proc)
         out.flush()
         keys.merge_new_keys(self.host, prep)
-        code = proc.returncode
+        code = proc.returncode if proc.returncode is not None else 255
         if closed and err.code is None:
             raise ConnectionLost("connection lost: the connection was closed while a command ran", host=self.name,
                                  hint=LOST_HINT)
@@ -420,7 +430,7 @@ def _feed(pipe: object, data: bytes) -> None:
         pass
 
 
-def _wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> None:
+def _wait_exit(proc: subprocess.Popen[bytes] | openssh_mux.MuxSession, seconds: float) -> None:
     """Wait until ``proc`` exits, at most ``seconds`` (Popen.wait polls from 0.5 ms up)."""
     try:
         proc.wait(timeout=seconds)

@@ -39,6 +39,8 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     import subprocess
 
+    from .openssh_mux import MuxSession
+
 VERSION = 1
 # the commands that connect to the hosts they name with -H
 COMMANDS = frozenset({"verify-env", "provision", "stage-model", "sync-data", "sync-code", "pull", "launch", "tail",
@@ -294,8 +296,9 @@ def _spawn(base: Path, name: str) -> Early | None:
     return Early(name, folder, text, control, argv, persist, proc, marker, started)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End an ssh client: SIGTERM (a mux client closes its session on the master), then SIGKILL."""
+def stop(proc: subprocess.Popen[bytes] | MuxSession) -> None:
+    """End an ssh client: SIGTERM (a mux client closes its session on the master), then SIGKILL; a session
+    opened without a client (openssh_mux) is closed."""
     import subprocess
 
     try:
