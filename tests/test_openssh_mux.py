@@ -75,6 +75,16 @@ def test_calls_over_the_master_start_no_ssh_and_give_what_ssh_gave(conn: Transpo
 
 
 @on_testbed
+def test_output_that_comes_after_the_exit_status_arrives_whole(conn: Transport) -> None:
+    """The command's shell exits (the master sends its exit message) while a process it left writes on:
+    the session ends when the master closes it, and all the output arrives, as with ssh's client.
+    (Ending the session at the exit message made the master drop the rest: dfo pull's stream lost its tail.)"""
+    got = bytearray()
+    r = conn.run_stream("(sleep 0.5; head -c 2000000 /dev/zero | tr '\\0' 'q') & true", on_data=got.extend)
+    assert r.ok and len(got) == 2_000_000 and set(got) == {ord("q")}, (r, len(got))
+
+
+@on_testbed
 def test_a_master_killed_while_a_command_runs_is_a_lost_connection(conn: Transport) -> None:
     prep = conn._prepared()  # type: ignore[attr-defined]
     pid = _master_pid(prep.control)

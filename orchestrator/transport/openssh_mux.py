@@ -96,19 +96,23 @@ class MuxSession:
         self.stdout = stdout
         self.stderr = stderr
         self.returncode: int | None = None
+        self._exit: int | None = None  # the exit message's status, the session's once the master closes
         self.pid = 0  # no process of ours
 
     def _take(self, block: bool, deadline: float | None = None) -> None:
+        """Read what the master sent. The session has ended when the master closes the control connection,
+        which it does once the session's channel is closed and its output written to our pipes; the exit
+        message comes before that and is kept till then. (Closing our end at the exit message would make
+        the master drop what it had not yet written to stdout: ssh's own client reads on to the end too.)"""
         while self.returncode is None and self._sock is not None:
             body = self._reader.packet(block, deadline)
             if body is None:
-                if self._reader.eof:  # the master went away (or closed the session) with no exit status
-                    self.returncode = 255
+                if self._reader.eof:  # closed: the exit status it sent, or 255 (the master went away)
+                    self.returncode = 255 if self._exit is None else self._exit
                     self._close()
                 return
             if len(body) >= 12 and struct.unpack(">I", body[:4])[0] == MUX_S_EXIT_MESSAGE:
-                self.returncode = struct.unpack(">I", body[8:12])[0] & 0xFF
-                self._close()
+                self._exit = struct.unpack(">I", body[8:12])[0] & 0xFF
             # anything else (MUX_S_TTY_ALLOC_FAIL: no tty was asked for) is read and passed over
 
     def poll(self) -> int | None:
