@@ -68,7 +68,7 @@ def test_resume_after_interruption(xfer: Xfer, many, how: str) -> None:  # noqa:
     job = xfer.job(data={"source": many.source, "dest": dest}, s3={"concurrency": 1})
     proc = xfer.popen("sync-data", "-H", xfer.node.name, "-j", str(job), "--json")
     try:
-        xfer.wait_recorded(dest, 40)
+        xfer.wait_recorded(dest, 15)  # early: the node may finish many more before it sees the link gone
         pid = xfer.lock_pid(dest)
         assert pid is not None
         if how == "kill-remote-process":
@@ -85,7 +85,7 @@ def test_resume_after_interruption(xfer: Xfer, many, how: str) -> None:  # noqa:
         xfer.wait_gone(pid)  # the node side noticed the closed link and stopped by itself, cleanly
         assert xfer.sh(f"ls -A {dest}/.dfo/tmp").stdout == ""  # its temp files are gone already
     done = xfer.recorded(dest)
-    assert 40 <= len(done) < len(many.files), "the transfer ended before it was interrupted"
+    assert 15 <= len(done) < len(many.files), "the transfer ended before it was interrupted"
     before = xfer.stats(dest)
     partial = xfer.digests(dest)
     for rel in done:  # every finished file is complete and correct
