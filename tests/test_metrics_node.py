@@ -150,6 +150,13 @@ def test_sampler_rows_top_plot_and_webhook_of_a_failed_run(env: RunsEnv) -> None
         assert got and got[0]["dfo"]["event"] == "failed" and got[0]["dfo"]["run"] == run
         assert got[0]["text"].startswith(f"dfo: run {run} on ") and "failed (exit code 3)" in got[0]["text"]
         assert hook.got[0][0] - ended < 30
+        # the alert goes before the sampler's last pass (the log's last figures): read the rows once the
+        # supervisor, which waits for that pass, has exited
+        pid = env.run_file(run, "meta.json")["supervisor_pid"]
+        deadline = time.monotonic() + 30
+        while env.alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not env.alive(pid), "the supervisor outlived its failed trainer by 30 s"
         rows = _rows(env, run)
         sys_rows = [x for x in rows if x["kind"] == "sys"]
         utils = [x["gpus"][0]["util"] for x in sys_rows if x["gpus"]]
