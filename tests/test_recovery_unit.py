@@ -9,7 +9,7 @@ import yaml
 
 from orchestrator.config.models import RestartsConfig, load_job
 from orchestrator.errors import ConfigError
-from orchestrator.steps.recovery import backoff_s, classify, torchrun_root_cause
+from orchestrator.steps.recovery import Verdict, Watcher, backoff_s, classify, torchrun_root_cause
 from orchestrator.steps.runs import RunInfo
 
 OUT = {"dest": "s3://b/runs/{name}/"}
@@ -142,3 +142,30 @@ def test_torchrun_root_cause_is_the_signal_that_killed_a_worker() -> None:
     assert torchrun_root_cause([ln.replace("-9 (pid", "1 (pid") for ln in lines]) == 1  # a worker's own exit 1
     assert torchrun_root_cause(lines[:1]) is None  # no report: nothing to say
     assert torchrun_root_cause(lines[:15]) is None  # a report cut before its root cause
+
+
+@pytest.mark.parametrize(("codes", "want"), [
+    ({"a": -6, "b": -9}, "b: trainer killed by SIGKILL"),  # a's worker aborted when b's was killed: b's
+    ({"a": -9, "b": -6}, "a: trainer killed by SIGKILL"),
+    ({"a": -15, "b": -6}, "b: trainer killed by SIGABRT"),  # the gang watch's SIGTERM is an echo too
+    ({"a": -6, "b": -11}, "b: trainer killed by SIGSEGV"),
+    ({"a": -6, "b": -6}, "a: trainer killed by SIGABRT"),  # among equals: the first failure's node
+    ({"a": 1, "b": -6}, "b: trainer killed by SIGABRT"),
+])
+def test_a_torchrun_gangs_signal_is_the_killed_worker_not_its_peers_abort(codes: dict[str, int], want: str) -> None:
+    """Each node runs one worker: b's is killed, a's aborts when its collective breaks, and either torchrun
+    may exit first. The verdict names the kill, whichever node the watcher looks at first."""
+    w = Watcher.__new__(Watcher)
+    w.policy = RestartsConfig(on=["signal"])
+    asked: list[str] = []
+
+    def root_cause(host: str, run_id: str) -> int | None:
+        asked.append(host)
+        return codes[host]
+
+    w._torchrun_root_cause = root_cause  # type: ignore[method-assign]
+    results = {"a": _r("failed", exit_code=1), "b": _r("failed", exit_code=1)}
+    v = w._torchrun_worker_signal(["a", "b"], "r", results, Verdict("fail", "exit 1"))
+    assert (v.kind, v.why, v.detail) == ("restart", "signal", f"{want} (a worker of torchrun, which exited 1)")
+    if codes["a"] == -9:
+        assert asked == ["a"]  # a SIGKILL ends the search

@@ -177,6 +177,17 @@ def torchrun_root_cause(lines: list[str]) -> int | None:
     return code
 
 
+def _signal_rank(signum: int) -> int:
+    """How likely a worker's signal is the gang's root cause rather than an echo of it (lower: likelier)."""
+    if signum == signal.SIGKILL:
+        return 0
+    if signum == signal.SIGABRT:
+        return 2
+    if signum == signal.SIGTERM:
+        return 3
+    return 1
+
+
 def backoff_s(policy: RestartsConfig, done: int) -> float:
     """Seconds before restart number ``done`` + 1: backoff, doubled each time."""
     return float(policy.backoff) * (2 ** done)
@@ -450,23 +461,35 @@ class Watcher:
         failure report at the end of a node's log says so: the first failure's node first, then the other
         nodes that ended (their workers fail on their own when the collective breaks, and may be reported
         first; or the gang watch stopped the node whose worker was killed before its torchrun ended).
-        Then it is a signal, as for a trainer run without torchrun. Anything else stays as it was."""
+        Then it is a signal, as for a trainer run without torchrun. Anything else stays as it was.
+
+        Which node's signal: a SIGKILL first (the OOM killer's, or a user's; a broken collective never sends
+        one), then any other signal, then SIGABRT (what a worker does when its peer vanishes: gloo and NCCL
+        abort), then SIGTERM (what the gang watch sends); among equals, the first failure's node first."""
         cause = _cause(hosts, {h: r for h, r in results.items() if r is not None})
         ended = [h for st in ("failed", "stopped") for h, r in results.items() if r is not None and r.state == st]
         order = ([cause[0]] if cause else []) + [h for h in ended if not cause or h != cause[0]]
+        best: tuple[int, str, int] | None = None
         for host in order:
             code = self._torchrun_root_cause(host, run_id)
             if code is None or code >= 0:
                 continue
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            text = f"{name} (a worker of torchrun, which exited 1)"
-            if "signal" in self.policy.on:
-                return Verdict("restart", "signal", None, f"{host}: trainer killed by {text}")
-            return Verdict("fail", "signal", None, f"{host}: trainer killed by {text}; restarts.on has no 'signal'")
-        return v
+            rank = _signal_rank(-code)
+            if best is None or rank < best[0]:
+                best = (rank, host, code)
+            if rank == 0:
+                break
+        if best is None:
+            return v
+        _, host, code = best
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        text = f"{name} (a worker of torchrun, which exited 1)"
+        if "signal" in self.policy.on:
+            return Verdict("restart", "signal", None, f"{host}: trainer killed by {text}")
+        return Verdict("fail", "signal", None, f"{host}: trainer killed by {text}; restarts.on has no 'signal'")
 
     def _torchrun_root_cause(self, host: str, run_id: str) -> int | None:
         """torchrun_root_cause of the run's log (its last 400 lines) on ``host``; None when it did not answer."""
