@@ -29,44 +29,48 @@ def test_probe() -> None:
         assert r.returncode == 0, r.stderr
 
 
-def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _pytest(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """pytest in a subprocess, its temp folder inside ``tmp``: pytest's default one, beside this session's,
+    would also remove the older runs' folders there (seconds to a minute of deleting, and not the test's to
+    touch)."""
     mine = ("DFO_LANES_", "DFO_STRICT", "DFO_TEST_TIMELINE", "PYTEST_")  # this session's, not the inner run's
     e = {k: v for k, v in os.environ.items() if not k.startswith(mine)}
     e.pop("DFO_TESTBED_FORBIDDEN", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                           str(tmp / "inner-pytest"), *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env={**e, **env})
 
 
-def test_an_unlisted_skip_fails_a_strict_run() -> None:
+def test_an_unlisted_skip_fails_a_strict_run(tmp_path: Path) -> None:
     """Under pytest-xdist, as CI runs: the workers' reports reach the controller's check."""
-    r = _pytest("-n", "2", PROBE, DFO_STRICT_SKIPS="1", DFO_LANES_PROBE_SKIP="frobnicate is not installed")
+    r = _pytest(tmp_path, "-n", "2", PROBE, DFO_STRICT_SKIPS="1", DFO_LANES_PROBE_SKIP="frobnicate is not installed")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "skips not allowed (DFO_STRICT_SKIPS=1)" in r.stdout
     assert f"{PROBE}: frobnicate is not installed" in r.stdout, r.stdout
 
 
-def test_a_listed_skip_passes_a_strict_run() -> None:
-    r = _pytest("-n", "0", PROBE, DFO_STRICT_SKIPS="1", DFO_LANES_PROBE_SKIP="no CUDA GPU")
+def test_a_listed_skip_passes_a_strict_run(tmp_path: Path) -> None:
+    r = _pytest(tmp_path, "-n", "0", PROBE, DFO_STRICT_SKIPS="1", DFO_LANES_PROBE_SKIP="no CUDA GPU")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 skipped" in r.stdout and "not allowed" not in r.stdout
 
 
-def test_an_unlisted_skip_outside_ci_is_only_reported() -> None:
-    r = _pytest("-n", "0", PROBE, DFO_LANES_PROBE_SKIP="frobnicate is not installed")
+def test_an_unlisted_skip_outside_ci_is_only_reported(tmp_path: Path) -> None:
+    r = _pytest(tmp_path, "-n", "0", PROBE, DFO_LANES_PROBE_SKIP="frobnicate is not installed")
     assert r.returncode == 0 and "SKIPPED" in r.stdout and "not allowed" not in r.stdout, r.stdout
 
 
 def test_an_unmarked_test_that_starts_a_testbed_fails(tmp_path: Path) -> None:
-    r = _pytest("-n", "0", PROBE, DFO_LANES_PROBE_TESTBED=str(tmp_path / "tb"))
+    r = _pytest(tmp_path, "-n", "0", PROBE, DFO_LANES_PROBE_TESTBED=str(tmp_path / "tb"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "started a testbed but is not marked testbed" in r.stdout, r.stdout
     assert not (tmp_path / "tb").exists()  # refused before anything was made
 
 
-def test_tests_that_use_the_testbed_are_marked_by_themselves() -> None:
+def test_tests_that_use_the_testbed_are_marked_by_themselves(tmp_path: Path) -> None:
     """Files that mark nothing by hand (test_code, test_pull) and a fixture built on one (test_outputs_node's):
     their testbed tests leave the unit lane, their unit tests stay."""
-    r = _pytest("-n", "0", "--collect-only", "-m", "testbed", "tests/test_code.py", "tests/test_pull.py",
+    r = _pytest(tmp_path, "-n", "0", "--collect-only", "-m", "testbed", "tests/test_code.py", "tests/test_pull.py",
                 "tests/test_outputs_node.py", "tests/test_gang.py")
     assert r.returncode == 0, r.stdout + r.stderr
     testbed = {line for line in r.stdout.splitlines() if "::" in line}
