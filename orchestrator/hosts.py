@@ -66,20 +66,54 @@ def _unresolved(exc: HostError) -> HostError:
     return exc
 
 
+def resolve_all(inv: Inventory, names: list[str], path: Path) -> dict[str, ResolvedHost]:
+    """Each host's settings, in the order of ``names``. The first host is resolved here (it fills the
+    caches: which ssh, its version), the rest at once in threads, at most PARALLEL at a time: each waits
+    for its own `ssh -G`, which 8 hosts in a row paid one after another. An error is raised as the loop
+    would raise it: the first failing host's, in the order of ``names``."""
+    from .transport.resolve import resolve_host
+
+    if len(names) < 2:
+        return {n: resolve_host(inv, n, path) for n in names}
+    got: dict[str, Any] = {names[0]: resolve_host(inv, names[0], path)}
+    todo: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for n in names[1:]:
+        todo.put(n)
+
+    def worker() -> None:
+        while True:
+            try:
+                n = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                got[n] = resolve_host(inv, n, path)
+            except BaseException as exc:  # noqa: BLE001 -- raised in the calling thread below
+                got[n] = exc
+
+    threads = [threading.Thread(target=worker, name="dfo-resolve", daemon=True)
+               for _ in range(min(PARALLEL, len(names) - 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in names:
+        if isinstance(got[n], BaseException):
+            raise got[n]
+    return {n: got[n] for n in names}
+
+
 class HostSession:
     """Hosts named by -H, each with at most one connection for the whole command."""
 
     def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
         from .config.models import expand_targets, load_inventory
         from .transport import openssh_early
-        from .transport.resolve import resolve_host
 
         self.inventory, self.inventory_path = load_inventory(inventory)
         openssh_early.loaded(self.inventory_path)
         self.names = expand_targets(self.inventory, targets, self.inventory_path)
-        self.hosts: dict[str, ResolvedHost] = {
-            n: resolve_host(self.inventory, n, self.inventory_path) for n in self.names
-        }
+        self.hosts: dict[str, ResolvedHost] = resolve_all(self.inventory, self.names, self.inventory_path)
         self._conns: dict[str, Transport] = {}
         self._lock = threading.Lock()
 
@@ -87,9 +121,7 @@ class HostSession:
     def from_inventory(cls, inv: Inventory, path: Path, names: list[str]) -> HostSession:
         self = cls.__new__(cls)
         self.inventory, self.inventory_path, self.names = inv, path, names
-        from .transport.resolve import resolve_host
-
-        self.hosts = {n: resolve_host(inv, n, path) for n in names}
+        self.hosts = resolve_all(inv, names, path)
         self._conns, self._lock = {}, threading.Lock()
         return self
 

@@ -25,6 +25,7 @@ Records hold paths and options, never a secret. ``DFO_EARLY_CONNECT=0`` turns th
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import os
 import stat
@@ -403,7 +404,7 @@ def write_private(path: Path, text: str) -> bool:
             return False
     except OSError:
         pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{_thread.get_ident()}")  # hosts resolve in threads
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)

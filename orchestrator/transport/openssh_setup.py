@@ -35,6 +35,7 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
 
 from __future__ import annotations
 
+import _thread
 import errno
 import hashlib
 import math
@@ -96,7 +97,7 @@ def ssh_version(path: str) -> tuple[int, int] | None:
     got = text[0] if text else ""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = cache.with_name(f".ssh-version.{os.getpid()}")
+        tmp = cache.with_name(f".ssh-version.{os.getpid()}.{_thread.get_ident()}")
         tmp.write_text(f"{key}\n{got}")
         os.replace(tmp, cache)
     except OSError:
