@@ -67,21 +67,29 @@ def _unresolved(exc: HostError) -> HostError:
 
 
 def resolve_all(inv: Inventory, names: list[str], path: Path) -> dict[str, ResolvedHost]:
-    """Each host's settings, in the order of ``names``. The first host is resolved here (it fills the
-    caches: which ssh, its version), the rest at once in threads, at most PARALLEL at a time: each waits
-    for its own `ssh -G`, which 8 hosts in a row paid one after another. An error is raised as the loop
-    would raise it: the first failing host's, in the order of ``names``."""
-    from .transport.resolve import resolve_host
+    """Each host's settings, in the order of ``names``, as a loop over ``resolve_host`` gives them: the
+    first failing host's error (in that order) is raised. On the OpenSSH transport (the default) the
+    first host is resolved here (it fills the caches: which ssh, its version) and the rest at once in
+    threads, at most PARALLEL at a time, each waiting for its own `ssh -G`, which 8 hosts in a row paid
+    one after another; after a failure no more hosts are begun. The paramiko fallback and local hosts
+    resolve in the loop (paramiko's notes on stderr stay in the hosts' order)."""
+    from .transport.resolve import resolve_host, ssh_transport
 
-    if len(names) < 2:
+    def on_openssh(n: str) -> bool:
+        entry = inv.hosts.get(n)
+        t = (entry.transport if entry is not None else None) or inv.defaults.transport or "ssh"
+        return t == "openssh" or (t == "ssh" and ssh_transport() == "openssh")
+
+    if len(names) < 3 or not all(on_openssh(n) for n in names):
         return {n: resolve_host(inv, n, path) for n in names}
     got: dict[str, Any] = {names[0]: resolve_host(inv, names[0], path)}
     todo: queue.SimpleQueue[str] = queue.SimpleQueue()
     for n in names[1:]:
         todo.put(n)
+    failed = threading.Event()
 
     def worker() -> None:
-        while True:
+        while not failed.is_set():
             try:
                 n = todo.get_nowait()
             except queue.Empty:
@@ -90,6 +98,7 @@ def resolve_all(inv: Inventory, names: list[str], path: Path) -> dict[str, Resol
                 got[n] = resolve_host(inv, n, path)
             except BaseException as exc:  # noqa: BLE001 -- raised in the calling thread below
                 got[n] = exc
+                failed.set()  # the names not begun come after this one: its error (or an earlier one) wins
 
     threads = [threading.Thread(target=worker, name="dfo-resolve", daemon=True)
                for _ in range(min(PARALLEL, len(names) - 1))]
@@ -98,7 +107,7 @@ def resolve_all(inv: Inventory, names: list[str], path: Path) -> dict[str, Resol
     for t in threads:
         t.join()
     for n in names:
-        if isinstance(got[n], BaseException):
+        if isinstance(got.get(n), BaseException):
             raise got[n]
     return {n: got[n] for n in names}
 
