@@ -169,3 +169,14 @@ def test_a_torchrun_gangs_signal_is_the_killed_worker_not_its_peers_abort(codes:
     assert (v.kind, v.why, v.detail) == ("restart", "signal", f"{want} (a worker of torchrun, which exited 1)")
     if codes["a"] == -9:
         assert asked == ["a"]  # a SIGKILL ends the search
+
+
+def test_a_torchrun_gangs_signal_fails_the_run_when_restarts_on_leaves_signal_out() -> None:
+    w = Watcher.__new__(Watcher)
+    w.policy = RestartsConfig(on=["lost"])
+    w._torchrun_root_cause = lambda host, run_id: {"a": -6, "b": -9}[host]  # type: ignore[method-assign]
+    results = {"a": _r("failed", exit_code=1), "b": _r("failed", exit_code=1)}
+    v = w._torchrun_worker_signal(["a", "b"], "r", results, Verdict("fail", "exit 1"))
+    assert (v.kind, v.why) == ("fail", "signal")
+    assert v.detail == ("b: trainer killed by SIGKILL (a worker of torchrun, which exited 1); "
+                        "restarts.on has no 'signal'")
