@@ -177,15 +177,9 @@ def torchrun_root_cause(lines: list[str]) -> int | None:
     return code
 
 
-def _signal_rank(signum: int) -> int:
-    """How likely a worker's signal is the gang's root cause rather than an echo of it (lower: likelier)."""
-    if signum == signal.SIGKILL:
-        return 0
-    if signum == signal.SIGABRT:
-        return 2
-    if signum == signal.SIGTERM:
-        return 3
-    return 1
+# How likely a worker's signal is the gang's root cause rather than an echo of it (lower: likelier; any
+# signal not named here ranks 1)
+_SIGNAL_RANK: dict[int, int] = {signal.SIGKILL: 0, signal.SIGABRT: 2, signal.SIGTERM: 3}
 
 
 def backoff_s(policy: RestartsConfig, done: int) -> float:
@@ -474,7 +468,7 @@ class Watcher:
             code = self._torchrun_root_cause(host, run_id)
             if code is None or code >= 0:
                 continue
-            rank = _signal_rank(-code)
+            rank = _SIGNAL_RANK.get(-code, 1)
             if best is None or rank < best[0]:
                 best = (rank, host, code)
             if rank == 0:
