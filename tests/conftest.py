@@ -216,6 +216,9 @@ def pytest_configure(config: pytest.Config) -> None:
         cache = tempfile.mkdtemp(prefix="dfo-test-cache-")
         atexit.register(shutil.rmtree, cache, True)
         os.environ["DFO_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = cache
+        # dfo's config folder too (the record key it signs generation records with, the seq it has seen):
+        # never the machine's own ~/.config/dfo
+        os.environ["XDG_CONFIG_HOME"] = os.path.join(cache, "config")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

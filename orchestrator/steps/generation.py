@@ -16,6 +16,7 @@ from remote.s3.client import S3Client, S3Error
 
 from ..config.models import LoadedJob
 from ..errors import ConfigError, VerifyError
+from . import recordauth
 from .outputs import outputs_spec
 
 CAS_TRIES = 6
@@ -23,7 +24,10 @@ CAS_TRIES = 6
 
 @dataclass
 class Place:
-    """Where a job's generation record is: its S3 client, bucket and outputs.dest prefix."""
+    """Where a job's generation record is: its S3 client, bucket and outputs.dest prefix.
+
+    Every record read here is checked (recordauth: the laptop's HMAC, and a ``seq`` not below what this
+    machine has seen) unless ``trusted=False`` is asked for; every record written is signed."""
 
     client: Any
     bucket: str
@@ -31,22 +35,41 @@ class Place:
 
     @property
     def url(self) -> str:
-        return f"s3://{self.bucket}/{gen.key_of(self.prefix)}"
+        return self.url_of(gen.KEY)
 
-    def read(self, name: str = gen.KEY) -> tuple[dict[str, Any] | None, str | None]:
+    def url_of(self, name: str) -> str:
+        return f"s3://{self.bucket}/{gen.key_of(self.prefix, name)}"
+
+    def read(self, name: str = gen.KEY, trusted: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+        """(record, ETag); (None, None) when there is none. ``trusted``: a record dfo did not write raises
+        recordauth.RecordForged (exit 3); else it comes back as it is (a dict or None)."""
         try:
-            return gen.read(self.client, self.bucket, self.prefix, name)
+            doc, etag = gen.read(self.client, self.bucket, self.prefix, name)
         except S3Error as exc:
-            raise VerifyError(f"generation record {self.url}: {exc.described()}",
+            raise VerifyError(f"generation record {self.url_of(name)}: {exc.described()}",
                               hint="check s3.endpoint_url and the credentials of outputs.dest") from None
+        if not trusted or (doc is None and etag is None):
+            return doc, etag
+        url = self.url_of(name)
+        return recordauth.fresh(recordauth.check(doc, url), url), etag
 
     def write(self, doc: dict[str, Any], etag: str | None, name: str = gen.KEY) -> tuple[dict[str, Any], str | None]:
-        """Compare-and-swap; raises remote.runs.generation.Conflict when someone else wrote first."""
+        """Compare-and-swap, signed, ``seq`` one more than the highest seen; raises
+        remote.runs.generation.Conflict when someone else wrote first."""
+        url = self.url_of(name)
+        key = recordauth.load_key()
+        last = doc.get("seq")
+        seq = max(last if isinstance(last, int) and not isinstance(last, bool) else 0, recordauth.seen_seq(url)) + 1
+        body = {k: v for k, v in doc.items() if k != "auth"}
+        body["seq"] = seq
         try:
-            return gen.write(self.client, self.bucket, self.prefix, doc, etag, name)
+            written, etag2 = gen.write(self.client, self.bucket, self.prefix, body, etag, name,
+                                       seal=lambda d: recordauth.seal(d, key))
         except S3Error as exc:
-            raise VerifyError(f"generation record {self.url}: {exc.described()}",
+            raise VerifyError(f"generation record {url}: {exc.described()}",
                               hint="check s3.endpoint_url and the credentials of outputs.dest") from None
+        recordauth.note_seq(url, seq)
+        return written, etag2
 
 
 def place(loaded: LoadedJob) -> Place:
@@ -75,14 +98,22 @@ def launch_fields(doc: dict[str, Any]) -> dict[str, Any]:
             "record": None}
 
 
+def _count(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
 def begin(loaded: LoadedJob, run_id: str, hosts: list[str]) -> dict[str, Any]:
     """Generation N+1 of a new lineage named ``run_id`` on ``hosts`` (rank order); returns launch_fields."""
     where = place(loaded)
     for _ in range(CAS_TRIES):
-        doc, etag = where.read()
-        new = {"version": 1, "job": loaded.job.name, "lineage": run_id, "generation": int((doc or {}).get(
-            "generation") or 0) + 1, "run": run_id, "hosts": list(hosts), "state": "running", "restarts": [],
-            "lost": [], "recovery": None, "watcher": None}
+        # the old record's number only: a new lineage obeys nothing in it (it may be a node's forgery)
+        doc, etag = where.read(trusted=False)
+        old = doc if isinstance(doc, dict) else {}
+        # numbers only grow: the old generation's (its nodes stop shipping) and seq (a watcher elsewhere
+        # that saw the old record's seq takes this one for newer, not for a replay)
+        new = {"version": 1, "job": loaded.job.name, "lineage": run_id, "generation": _count(old.get("generation")) + 1,
+               "run": run_id, "hosts": list(hosts), "state": "running", "restarts": [], "lost": [], "recovery": None,
+               "watcher": None, "seq": _count(old.get("seq"))}
         try:
             written, _ = where.write(new, etag)
         except gen.Conflict:

@@ -42,6 +42,7 @@ from ..errors import EXIT_RUN, EXIT_USAGE, EXIT_VERIFY, DfoError, UsageError, Ve
 from ..hosts import HostSession
 from . import runs
 from .generation import Place, launch_fields, place
+from .recordauth import RecordForged
 from .workspace import job_workspace
 
 POLL_S = float(os.environ.get("DFO_WATCH_POLL_S") or 3.0)  # seconds between looks at the nodes
@@ -88,23 +89,30 @@ def _signal_of(info: runs.RunInfo) -> str | None:
 
 
 def _cause(hosts: list[str], reach: dict[str, runs.RunInfo]) -> tuple[str, str, str] | None:
-    """(host, kind, text) of the first failure: kind signal | exit | stopped | lost; None when none."""
-    for h in hosts:  # rank 0 first: the gang watch's record is the gang's
-        r = reach.get(h)
-        ff = ((r.gang or {}).get("watch") or {}).get("first_failure") if r is not None else None
-        if ff and ff.get("host"):
+    """(host, kind, text) of the first failure: kind signal | exit | stopped | lost; None when none.
+
+    A gang watch's claim about another node counts only from the gang's hub (rank 0, ``hosts[0]``: the
+    node every member reports to), and never about a node that answered this look with a live run: a
+    member's word that a peer is lost is not evidence (issue 32), and a node's own answer outweighs
+    anyone's claim about it."""
+    hub = reach.get(hosts[0]) if hosts else None
+    ff = ((hub.gang or {}).get("watch") or {}).get("first_failure") if hub is not None else None
+    if isinstance(ff, dict) and isinstance(ff.get("host"), str) and ff["host"] in hosts:
+        about = reach.get(ff["host"])
+        if about is None or about.state not in ("running", "succeeded"):
             how = str(ff.get("how") or "")
             m = re.match(r"exit (\d+)$", how)
             if how == "lost":
-                return str(ff["host"]), "lost", "its gang watch declared it lost"
-            if how == "stopped":
+                if about is None:  # a node that answered (with any run) is not lost
+                    return str(ff["host"]), "lost", "its gang watch declared it lost"
+            elif how == "stopped":
                 return str(ff["host"]), "stopped", "stopped (dfo stop)"
-            if m:
+            elif m:
                 code = int(m.group(1))
                 if 128 < code <= 192:
                     return str(ff["host"]), "signal", f"signal {code - 128} (exit {code})"
                 return str(ff["host"]), "exit", str(code)
-            if how.startswith("signal"):
+            elif how.startswith("signal"):
                 return str(ff["host"]), "signal", how
     for h in hosts:
         r = reach.get(h)
@@ -223,14 +231,68 @@ class Watcher:
         self.lease_etag: str | None = None
         self.lease_done, self.lease_lost = threading.Event(), threading.Event()
         self.no_spare_said = -SPARE_SAY_S  # when this watcher last said it waits for a spare (monotonic)
+        # per lineage: the most restarts and the highest generation of any record this watcher has verified
+        # (a record, even a signed one, that goes below them is refused: restarts.max always ends a loop)
+        self.high: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ the record
     def _read(self) -> tuple[dict[str, Any], str | None]:
-        doc, etag = self.place.read()
+        doc, etag = self.place.read()  # checked: this machine's key signed it, and it is not an old one
         if doc is None:
             raise UsageError(f"job {self.job.name}: no generation record at {self.place.url}",
                              hint="launch the run with dfo up -H HOSTS -j JOB (add --watch to watch it at once)")
-        return doc, etag
+        return self._vet(doc), etag
+
+    def _vet(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """A verified record, held to what this watcher knows whatever it says (issue 32): every host it names
+        is one of the job's targets (-H) or spares (run.spares), a spare chosen is one of run.spares, and
+        neither the restart count nor the generation goes below what this watcher has seen of the lineage."""
+        url = self.place.url
+        allowed = set(self.targets) | set(self.spares)
+
+        def names(v: Any, field: str, within: set[str], what: str) -> None:
+            if v is None:
+                return
+            if not isinstance(v, list) or not all(isinstance(h, str) for h in v):
+                raise RecordForged(f"record {url}: field {field} is not a list of host names; not obeyed")
+            bad = [h for h in v if h not in within]
+            if bad:
+                raise RecordForged(
+                    f"record {url}: field {field} names {', '.join(sorted(set(bad)))[:200]}: {what}; not obeyed",
+                    hint="the watcher acts only on the hosts given with -H and the job's run.spares: name every host "
+                         "of the run with -H (dfo status -H HOST -j JOB shows them)")
+
+        names(doc.get("hosts"), "hosts", allowed, "neither a target of this watch (-H) nor a spare (run.spares)")
+        rec = doc.get("recovery")
+        if rec is not None:
+            if not isinstance(rec, dict):
+                raise RecordForged(f"record {url}: field recovery is not an object; not obeyed")
+            for field in ("hosts", "old_hosts"):
+                names(rec.get(field), f"recovery.{field}", allowed,
+                      "neither a target of this watch (-H) nor a spare (run.spares)")
+            if rec.get("lost_host") is not None:
+                names([rec["lost_host"]], "recovery.lost_host", allowed,
+                      "neither a target of this watch (-H) nor a spare (run.spares)")
+            if rec.get("spare") is not None:
+                names([rec["spare"]], "recovery.spare", set(self.spares), "not one of the job's run.spares")
+            for field in ("generation", "old_generation"):
+                if not _whole(rec.get(field)):
+                    raise RecordForged(f"record {url}: field recovery.{field} is {rec.get(field)!r}, not a whole "
+                                       "number; not obeyed")
+        restarts, number = doc.get("restarts") or [], doc.get("generation")
+        if not isinstance(restarts, list) or not all(isinstance(r, dict) for r in restarts):
+            raise RecordForged(f"record {url}: field restarts is not a list of objects; not obeyed")
+        if not isinstance(number, int) or not _whole(number):
+            raise RecordForged(f"record {url}: field generation is {number!r}, not a whole number; not obeyed")
+        generation = number
+        lineage = str(doc.get("lineage") or "")
+        most, highest = self.high.get(lineage, (0, 0))
+        if len(restarts) < most or int(generation) < highest:
+            raise RecordForged(f"record {url}: run {lineage} went back to generation {generation} with "
+                               f"{len(restarts)} restart(s), after this watcher saw generation {highest} with "
+                               f"{most}; not obeyed")
+        self.high[lineage] = (len(restarts), int(generation))
+        return doc
 
     def _write(self, doc: dict[str, Any], etag: str | None) -> tuple[dict[str, Any], str | None]:
         if self.lease_lost.is_set():
@@ -346,6 +408,8 @@ class Watcher:
                 try:
                     doc, etag = self._read()
                     s3_down = None
+                except RecordForged:
+                    raise  # never waited out, never obeyed: exit 3, nothing done on any node
                 except VerifyError as exc:
                     s3_down = s3_down or time.monotonic()
                     if time.monotonic() - s3_down > S3_PATIENCE_S:
@@ -368,6 +432,8 @@ class Watcher:
                         doc, etag = self.recover(doc, etag)
                         continue
                     code = self.check(doc, etag)
+                except RecordForged:
+                    raise
                 except VerifyError as exc:  # S3 did not take a write: the record says where things stand
                     self.say(f"watch: {exc.message}; trying again")
                     time.sleep(max(self.poll_s, 5.0))
@@ -740,6 +806,10 @@ class Watcher:
                 self.say(f"watch: generation {doc.get('generation')} resumed at step {found[0]}")
             except gen.Conflict:
                 pass
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _iso() -> str:

@@ -57,14 +57,18 @@ def read(client, bucket, prefix, name=KEY):
     return (doc if isinstance(doc, dict) else None), (resp.getheader("etag") or "").strip() or None
 
 
-def write(client, bucket, prefix, doc, etag, name=KEY):
+def write(client, bucket, prefix, doc, etag, name=KEY, seal=None):
     """Compare-and-swap: write ``doc`` if the record's ETag is still ``etag`` (None: if there is none).
-    Returns (doc as written, new ETag); raises Conflict when another writer came first."""
+    Returns (doc as written, new ETag); raises Conflict when another writer came first. ``seal``: a
+    function applied to the document last, once its nonce and time are in (the laptop's signature:
+    orchestrator/steps/recordauth.py)."""
     key = key_of(prefix, name)
     _, now = read(client, bucket, prefix, name)  # a server that ignores If-Match: the ETag is compared here too
     if now != etag:
         raise Conflict("the generation record changed since it was read")
     doc = dict(doc, writer=uuid.uuid4().hex, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if seal is not None:
+        doc = seal(doc)
     body = (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode("utf-8")
     headers = {"content-type": "application/json"}
     if etag:
