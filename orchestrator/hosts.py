@@ -17,7 +17,9 @@ if TYPE_CHECKING:  # config (pydantic, yaml) and the transports (fabric, paramik
     from .transport.base import Transport
 
 T = TypeVar("T")
-PARALLEL = 16  # hosts worked on at once by default (SSH handshakes and agent checks cost CPU here)
+# connection set-ups at once (SSH handshakes and key exchanges cost CPU here); a host's work after its set-up
+# is never held back by it: every host of a command runs at once (issue 35)
+PARALLEL = 16
 
 
 @dataclass
@@ -151,13 +153,19 @@ class HostSession:
 
         ``on_done(outcome)`` is called in the calling thread as each host finishes, in the order they
         finish: a slow or dead host never holds back the others' results. The list returned is in
-        the order of ``names``. At most ``parallel`` hosts are worked on at once (None: all of them,
-        for calls that wait on the node's own work, such as `dfo exec`'s commands)."""
+        the order of ``names``. Every host's ``fn`` runs at once; at most ``parallel`` hosts set up their
+        connection at once (Transport.establish; None: no bound), and a host's slot is given back as soon
+        as its connection is up, so a call that runs as long as the run (tail, a launch's watch window)
+        never holds back another host's."""
         names = list(self.names if names is None else names)
 
-        def one(name: str) -> Outcome[T]:
+        def one(name: str, gate: threading.Semaphore | None = None) -> Outcome[T]:
             try:
-                return Outcome(name, value=fn(self.conn(name)))
+                conn = self.conn(name)
+                if gate is not None:
+                    with gate:  # the set-up only: what fn does then holds no slot
+                        conn.establish()
+                return Outcome(name, value=fn(conn))
             except DfoError as exc:
                 if exc.host is None:
                     exc.host = name
@@ -180,12 +188,11 @@ class HostSession:
         # command can leave without waiting for calls still in flight on other hosts
         results: dict[str, Outcome[T]] = {}
         done: queue.Queue[Outcome[T]] = queue.Queue()
-        gate = threading.Semaphore(parallel or len(names))
+        gate = threading.Semaphore(parallel) if parallel else None
 
         def run(name: str) -> None:
             try:
-                with gate:
-                    out = one(name)
+                out = one(name, gate)
             except BaseException as exc:  # noqa: BLE001 - a SystemExit in a worker: its host still gets an
                 #                           outcome, so the wait below never hangs
                 err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name)

@@ -80,6 +80,13 @@ class Transport(ABC):
         is tried once). The default: nothing (the first call connects)."""
         return None
 
+    def establish(self) -> None:
+        """Connect now and wait for it (the handshake, the host key, the login), raising what the first call
+        would. HostSession.each bounds this, the connection set-up, and nothing after it: a host's call that
+        then runs for hours (a tail, a launch's watch window) holds no slot another host waits for. The
+        default: nothing (the first call connects)."""
+        return None
+
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./:=,+-")
 _ESC = [chr(b) if b in _SAFE else f"\\{b:03o}" for b in range(256)]

@@ -172,6 +172,11 @@ class OpenSSH(Transport):
                 return
             self._warming = _Warm(self.name, lambda warm: self._warm_call(prep, warm))  # started here
 
+    def establish(self) -> None:
+        """warm(), then wait for its call (a master of dfo's that answers already: nothing to wait for)."""
+        self.warm()
+        self._wait_warm()
+
     def _warm_call(self, prep: keys.Prepared, warm: _Warm) -> None:
         assert prep.control is not None
         answers = setup.master_answers(str(prep.control))  # here, not under the lock: a hung master takes a while

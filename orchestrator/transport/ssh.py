@@ -260,6 +260,9 @@ class Connection(Transport):
         bare = fabric.Config(ssh_config=paramiko.SSHConfig(), lazy=True)
         return _Hop(h.hostname, host=h, config=bare, gateway=gateway, user=h.user, port=h.port)
 
+    def establish(self) -> None:
+        self.connect()
+
     def connect(self) -> paramiko.SSHClient:
         with self._lock:
             if self._fab is not None:
