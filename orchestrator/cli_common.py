@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from typing import Any
 
 import click
 
-from .errors import DfoError
+from .errors import EXIT_UNEXPECTED, DfoError
 from .hosts import HostSession, Outcome, error_json, exit_code_of  # noqa: F401 - re-exported
 from .terminal import clean  # noqa: F401 - re-exported: the commands' one sanitiser
 
@@ -84,8 +85,27 @@ def session(ctx: click.Context, hosts: tuple[str, ...]) -> HostSession:
     return HostSession(ctx.obj.get("inventory"), hosts)
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, Infinity: a diverged trainer's loss, a node's
+    figure) made None (a key: its text): what JSON can hold. Containers are copied, never changed."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k) if isinstance(k, float) and not math.isfinite(k) else k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def json_text(doc: Any) -> str:
+    """The one way dfo writes a JSON document: non-finite floats as null (finite_json), and
+    allow_nan=False, so what comes out is JSON that every parser takes (no NaN, no Infinity)."""
+    return json.dumps(finite_json(doc), indent=2, default=str, allow_nan=False)
+
+
 def print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    """A --json document on stdout (every command's, and the error document of cli.py): json_text."""
+    sys.stdout.write(json_text(doc) + "\n")
     sys.stdout.flush()
 
 
@@ -100,16 +120,45 @@ def report_error(err: DfoError) -> None:
         traceback.print_exception(err.__cause__)
 
 
+def _unshown(host: str, exc: Exception) -> DfoError:
+    err = DfoError(f"could not show this host's result: {type(exc).__name__}: {exc}", host=host,
+                   hint="set DFO_DEBUG=1 for a traceback; please report it (the other hosts are shown)")
+    err.__cause__ = exc
+    return err
+
+
 def print_outcome(o: Outcome[Any], render: Callable[[str, Any], None]) -> None:
-    """One host's human result: its error (stderr), or ``render(host, value)``."""
+    """One host's human result: its error (stderr), or ``render(host, value)`` (show_outcome)."""
+    show_outcome(o, render)
+
+
+def show_outcome(o: Outcome[Any], render: Callable[[str, Any], None]) -> int:
+    """One host's human result: its error (stderr), or ``render(host, value)``. A host whose result
+    cannot be shown gets that said as its error (exit 1), and the other hosts are still shown: one
+    host's data never hides another's. Returns the exit code the showing itself adds (0 or 1)."""
     if o.error is not None:
         report_error(o.error)
-    else:
+        return 0
+    try:
         render(o.host, o.value)
+    except Exception as exc:  # noqa: BLE001 -- this host's view only: never the others'
+        report_error(_unshown(o.host, exc))
+        return EXIT_UNEXPECTED
+    return 0
+
+
+def host_json(o: Outcome[Any], to_json: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """One host's --json document: its error, or ``to_json(value)`` (which, failing, is that host's error)."""
+    if o.error is not None:
+        return error_json(o.error)
+    try:
+        return to_json(o.value)
+    except Exception as exc:  # noqa: BLE001 -- this host's document only
+        return error_json(_unshown(o.host, exc))
 
 
 def hosts_json(outcomes: list[Outcome[Any]], to_json: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    return {"hosts": {o.host: (error_json(o.error) if o.error else to_json(o.value)) for o in outcomes}}
+    return {"hosts": {o.host: host_json(o, to_json) for o in outcomes}}
 
 
 def emit(
@@ -119,12 +168,13 @@ def emit(
     render: Callable[[str, Any], None],
 ) -> int:
     """Print per-host results (JSON contract or human) and return the exit code."""
+    shown = 0
     if as_json:
         print_json(hosts_json(outcomes, to_json))
     else:
         for o in outcomes:
-            print_outcome(o, render)
-    return exit_code_of(outcomes)
+            shown = max(shown, show_outcome(o, render))
+    return max(shown, exit_code_of(outcomes))
 
 
 def each_and_emit(
@@ -137,7 +187,8 @@ def each_and_emit(
     """Run ``fn(conn)`` on every host of ``s`` in parallel. Human output: each host's result printed
     as soon as that host is done (a slow or dead host holds nobody back); --json: one document at
     the end, hosts in -H order. Returns the highest exit code."""
-    outcomes = s.each(fn, on_done=None if as_json else (lambda o: print_outcome(o, render)))
+    shown = [0]
+    outcomes = s.each(fn, on_done=None if as_json else (lambda o: shown.append(show_outcome(o, render))))
     if as_json:
         print_json(hosts_json(outcomes, to_json))
-    return exit_code_of(outcomes)
+    return max(max(shown), exit_code_of(outcomes))

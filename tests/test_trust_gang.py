@@ -31,6 +31,7 @@ import yaml
 from orchestrator.testbed import Testbed
 from remote.gang import ops as rgang
 from remote.gang.watch import GangWatch
+from remote.gang.wire import _Chan, _lines, _mac, _read_line, _same
 from tests._runs_fixtures import dfo, inventory_copy
 from tests.conftest import start_testbed
 from tests.test_gang import NODE, provision_record
@@ -56,12 +57,14 @@ def _wait(cond: Any, timeout: float, what: Any) -> None:
         time.sleep(0.05)
 
 
-def _open_idle(port: int, n: int) -> list[socket.socket]:
+def _open_idle(port: int, n: int, source: str | None = None) -> list[socket.socket]:
     """n connections to 127.0.0.1:port that never say anything (non-blocking connects: a full accept
-    queue does not hold the test up)."""
+    queue does not hold the test up), from ``source`` (a 127.x.y.z address) when given."""
     out = []
     for _ in range(n):
         s = socket.socket()
+        if source is not None:
+            s.bind((source, 0))
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", port))
         out.append(s)
@@ -97,7 +100,8 @@ def test_the_hub_closes_strangers_beyond_the_cap_at_once_and_times_out_the_rest(
     try:
         _wait(lambda: hub.members[1]["state"] == "running", 10, "the member did not join")
         threads_before = threading.active_count()
-        strangers = _open_idle(hub.port, 300)
+        # from an address of their own: 127.0.0.1 is the member's, whose newcomers are admitted apart (issue 32)
+        strangers = _open_idle(hub.port, 300, source="127.0.0.9")
         time.sleep(2)
         at_once = sum(_closed_by_peer(s) for s in strangers)
         peak_threads = threading.active_count() - threads_before
@@ -270,6 +274,193 @@ def test_the_hub_and_its_check_listen_on_the_gang_address_never_on_every_address
     req = {"ports": [port], "token": "t", "expect": 1, "window": 1, "bind": {"ports": [port], "address": "192.0.2.77"}}
     got = rgang.listen(req)
     assert not got["ok"] and got["port"] == port and "not an address of this node" in got["error"], got
+
+
+# --------------------------------------------------------------------------- issue 32, item 4: members never wait
+# Strangers from many addresses, each connection opened again as soon as the hub drops it: a separate process
+# (no GIL shared with the hub's thread) whose sockets are bound to 127.x.y.z loopback addresses, which Linux
+# gives every process. It notes how many of its connections hold a slot (got the hub's hello, still open).
+STRANGERS = """\
+import json, os, resource, selectors, socket, sys, time
+host, port, plan, status = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+sel = selectors.DefaultSelector()
+n = {"opened": 0, "greeted": 0, "closed_by_hub": 0, "holding": 0}
+held = set()
+
+def one(src):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((src, 0))
+    s.setblocking(False)
+    s.connect_ex((host, port))
+    sel.register(s, selectors.EVENT_READ, src)
+    n["opened"] += 1
+
+def gone(s, src):
+    sel.unregister(s)
+    s.close()
+    if s in held:
+        held.discard(s)
+    n["closed_by_hub"] += 1
+    one(src)  # taken again at once
+
+for src, count in plan:
+    for _ in range(count):
+        one(src)
+last = 0.0
+while not os.path.exists(status + ".stop"):
+    for key, _ in sel.select(0.05):
+        s, src = key.fileobj, key.data
+        try:
+            data = s.recv(4096)
+        except BlockingIOError:
+            continue
+        except OSError:
+            data = b""
+        if data:
+            if s not in held:
+                held.add(s)
+                n["greeted"] += 1
+        else:
+            gone(s, src)
+    now = time.monotonic()
+    if now - last > 0.1:
+        last = now
+        n["holding"] = len(held)
+        with open(status + ".tmp", "w") as f:
+            json.dump(n, f)
+        os.replace(status + ".tmp", status)
+"""
+
+
+def _strangers(tmp: Path, port: int, plan: list[tuple[str, int]]) -> tuple[subprocess.Popen[str], Path]:
+    status = tmp / f"strangers-{secrets.token_hex(3)}.json"
+    p = subprocess.Popen([sys.executable, "-c", STRANGERS, "127.0.0.1", str(port), json.dumps(plan), str(status)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return p, status
+
+
+def _stranger_stats(status: Path) -> dict[str, int]:
+    try:
+        return dict(json.loads(status.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _member_gets_in(port: int, secret: bytes, source: str, within: float, interval: float) -> float | None:
+    """Rank 1 of gang "g" joins the hub from ``source`` as a member does (remote/gang/watch.py ``_join``: the
+    MAC'd hello, the MAC'd join; a refused or dropped try is tried again after min(1, interval) s) until the hub
+    sends it a valid line (its heartbeat). Seconds it took, or None when not within ``within`` s."""
+    t0 = time.monotonic()
+    deadline = t0 + within
+    while time.monotonic() < deadline:
+        s = socket.socket()
+        try:
+            s.bind((source, 0))
+            s.settimeout(max(0.05, deadline - time.monotonic()))
+            s.connect(("127.0.0.1", port))
+            hello = _read_line(s, max(0.05, deadline - time.monotonic())) or ""
+            parts = hello.split(" ")
+            if len(parts) == 3 and parts[0] == "hello" and _same(parts[2], _mac(secret, "hello", "g", parts[1])):
+                mine = secrets.token_hex(16)
+                s.sendall(f"join 1 {mine} {_mac(secret, 'join', 'g', parts[1], 1, mine)}\n".encode())
+                chan = _Chan(s, secret, parts[1] + mine, "m", "h")
+                buf = b""
+                while time.monotonic() < deadline:
+                    lines, buf, eof = _lines(s, buf, min(0.1, max(0.01, deadline - time.monotonic())))
+                    if any(chan.check(ln) == "hb" for ln in lines):
+                        return time.monotonic() - t0
+                    if eof:
+                        break
+        except OSError:
+            pass
+        finally:
+            s.close()
+        time.sleep(min(1.0, interval))
+    return None
+
+
+@pytest.mark.parametrize("known", ["planned", "joined-before"])
+def test_a_member_gets_in_while_strangers_from_64_addresses_hold_every_slot(tmp_path: Path, known: str) -> None:
+    """Issue 32, item 4. Strangers from 64 addresses (127.0.1.1-64, two connections each, every one opened again
+    as soon as the hub drops it) hold all 64 stranger slots of a real hub door. A member with the right secret,
+    from its own address, gets in within 2 s, every one of 10 tries (it was 0 in 98 over 20 s). Its address is
+    known to the hub from the gang's addresses (``planned``), or learned from the member's earlier join."""
+    secret, interval = secrets.token_bytes(32), 0.2
+    member = "127.0.0.2" if known == "planned" else "127.0.0.3"
+    addrs = ["127.0.0.1", "127.0.0.2"] if known == "planned" else None
+    hub = GangWatch(0, ["node-1", "node-2"], "127.0.0.1", 0, secret, lambda: None, gang_id="g", bind="127.0.0.1",
+                    interval=interval, silence=30, join_timeout=30, addrs=addrs).start()
+    strangers = None
+    try:
+        if known == "joined-before":  # its first join, before any stranger came (as a gang starts)
+            assert _member_gets_in(hub.port, secret, member, 5, interval) is not None
+        strangers, status = _strangers(tmp_path, hub.port, [(f"127.0.1.{i}", 2) for i in range(1, 65)])
+        _wait(lambda: _stranger_stats(status).get("holding", 0) >= 64 and hub.noise.get("busy", 0) >= 64, 10,
+              lambda: f"the strangers do not hold the 64 slots: {_stranger_stats(status)} {hub.noise}")
+        took = [_member_gets_in(hub.port, secret, member, 2.0, interval) for _ in range(10)]
+        stats = _stranger_stats(status)
+        assert all(t is not None for t in took), f"the member got in {sum(t is not None for t in took)} of 10 times " \
+                                                 f"within 2 s: {took}; strangers: {stats}"
+        assert stats["holding"] >= 64 and stats["closed_by_hub"] >= 64, stats  # they held the pool all along
+        assert hub.state()["members"] == {"node-2": "running"} and hub.first_failure is None
+    finally:
+        if strangers is not None:
+            Path(str(status) + ".stop").touch()
+            strangers.wait(10)
+        hub.close()
+
+
+def test_a_stranger_on_a_members_own_address_cannot_keep_the_member_out(tmp_path: Path) -> None:
+    """Issue 32, item 4: whoever else connects from the member's own address (a process on its node, or a
+    spoofer that completes TCP handshakes) holds 300 connections there, each opened again as soon as the hub
+    drops it, while strangers from 64 other addresses hold their pool. The member still gets in within 2 s,
+    every one of 10 tries: a newcomer from a member's address is never refused, and the oldest pending
+    connection of that address gives way (128 at most pending from it, joins read between accept batches)."""
+    secret, interval = secrets.token_bytes(32), 0.2
+    hub = GangWatch(0, ["node-1", "node-2"], "127.0.0.1", 0, secret, lambda: None, gang_id="g", bind="127.0.0.1",
+                    interval=interval, silence=30, join_timeout=30, addrs=["127.0.0.1", "127.0.0.2"]).start()
+    strangers = None
+    try:
+        plan = [("127.0.0.2", 300)] + [(f"127.0.1.{i}", 2) for i in range(1, 65)]
+        strangers, status = _strangers(tmp_path, hub.port, plan)
+        _wait(lambda: _stranger_stats(status).get("holding", 0) >= 64, 10,
+              lambda: f"the strangers do not hold their slots: {_stranger_stats(status)} {hub.noise}")
+        took = [_member_gets_in(hub.port, secret, "127.0.0.2", 2.0, interval) for _ in range(10)]
+        stats = _stranger_stats(status)
+        assert all(t is not None for t in took), f"the member got in {sum(t is not None for t in took)} of 10 times " \
+                                                 f"within 2 s: {took}; strangers: {stats}"
+        assert stats["closed_by_hub"] >= 300, stats  # the member's address was contested all along
+        assert hub.state()["members"] == {"node-2": "running"} and hub.first_failure is None
+    finally:
+        if strangers is not None:
+            Path(str(status) + ".stop").touch()
+            strangers.wait(10)
+        hub.close()
+
+
+def test_the_pools_a_newcomer_meets() -> None:
+    """_Pending alone: strangers share 64 slots (8 per address, the address holding the most gives way to one
+    holding fewer, else the newcomer is refused); a member's address is admitted apart, never refused, and
+    takes its own oldest slot when it holds 128; an address learned later counts for newcomers from then on."""
+    from remote.gang.door import MEMBER_PENDING_PER_ADDR, _Pending
+
+    p = _Pending(members={"10.0.0.2"})
+    socks = [object() for _ in range(64)]
+    for i, s in enumerate(socks):
+        assert p.admit(s, f"10.9.0.{i}") == (True, None)
+    assert p.admit(object(), "10.9.1.1") == (False, None)  # every address holds one: refused
+    firsts = [object() for _ in range(MEMBER_PENDING_PER_ADDR)]
+    for s in firsts:
+        assert p.admit(s, "10.0.0.2") == (True, None)  # outside the strangers' 64
+    late = object()
+    assert p.admit(late, "10.0.0.2") == (True, firsts[0])  # its own oldest gives way, no stranger's
+    assert len(p) == 64 + MEMBER_PENDING_PER_ADDR and p.strangers == 64
+    assert p.oldest() in socks  # out of descriptors: a stranger goes first
+    p.members.add("10.9.1.1")
+    assert p.admit(object(), "10.9.1.1") == (True, None)
 
 
 # --------------------------------------------------------------------------- on the testbed: an outside host
@@ -475,4 +666,58 @@ def test_the_hub_listens_on_the_gang_address_only(tb: Testbed, tmp_path: Path) -
         g = _wait_ended(inv, run, 90)
         assert g["state"] == "succeeded", g
     finally:
+        dfo(inv, "stop", "-H", "node-1", "-H", "node-2", run)
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_strangers_from_64_addresses_never_keep_a_member_out_of_the_hub(tb: Testbed, tmp_path: Path) -> None:
+    """Issue 32, item 4, on real nodes: node-3, outside a gang of node-1 (hub) and node-2, takes 64 more
+    addresses of the node network and holds every stranger slot of the hub from them (two connections each,
+    every one opened again as soon as the hub drops it). node-2's connection to the hub is cut 3 times; each
+    time the real member rejoins within 2 s (before: it stayed out, and after 20 s the gang would fail it as
+    lost). The hub knows node-2's address from the gang's plan (its start event names it)."""
+    inv = inventory_copy(tb, tmp_path)
+    job, watch = _gang_of_two(tb, tmp_path, steps=60)
+    hub_addr, member_addr = tb.node("node-1").address, tb.node("node-2").address
+    extra = [f"{hub_addr.rsplit('.', 1)[0]}.{i}" for i in range(100, 164)]
+    add = tb.node_exec("node-3", "; ".join(f"ip addr add {a}/24 dev eth0" for a in extra))
+    assert add.returncode == 0, add.stderr
+    run, flood = _launch(tb, inv, job), None
+    try:
+        _wait(lambda: _hub_record(tb, run).get("members", {}).get("node-2") == "running", 60, "node-2 never joined")
+        w = tb.node_exec("node-3", f"cat > /root/strangers.py <<'EOF'\n{STRANGERS}EOF\n")
+        assert w.returncode == 0, w.stderr
+        plan = json.dumps([[a, 2] for a in extra])
+        r = tb.node_exec("node-3", f"rm -f /root/strangers.json*; nohup python3 /root/strangers.py {hub_addr} {watch} "
+                                   f"'{plan}' /root/strangers.json > /root/strangers.log 2>&1 & echo $!")
+        flood = int(r.stdout.strip())
+
+        def stats() -> dict[str, int]:
+            return dict(json.loads(tb.node_exec("node-3", "cat /root/strangers.json").stdout or "{}"))
+
+        _wait(lambda: stats().get("holding", 0) >= 64, 20,
+              lambda: f"the strangers do not hold the hub's 64 slots: {stats()} "
+                      + tb.node_exec("node-3", "cat /root/strangers.log").stdout[-2000:])
+        took = []
+        for _ in range(3):
+            before = sum(e.get("event") == "joined" for e in _hub_record(tb, run).get("events", []))
+            cut = time.time()
+            k = tb.node_exec("node-2", f"ss -K dst {hub_addr} dport = :{watch}")
+            assert k.returncode == 0 and str(watch) in k.stdout, k.stdout + k.stderr  # one connection cut
+            _wait(lambda before=before: sum(e.get("event") == "joined"  # type: ignore[misc]
+                                            for e in _hub_record(tb, run).get("events", [])) > before, 25,
+                  lambda: f"node-2 did not rejoin: {_hub_record(tb, run)} strangers: {stats()}")
+            joined = [e for e in _hub_record(tb, run)["events"] if e.get("event") == "joined"]
+            took.append(round(joined[before]["t"] - cut, 3))
+        s = stats()
+        assert all(t < 2.0 for t in took), f"node-2 took {took} s to rejoin; strangers: {s}"
+        assert s["holding"] >= 64 and s["closed_by_hub"] >= 64, s  # the strangers held the pool all along
+        start = [e for e in _hub_record(tb, run)["events"] if e["event"] == "start"][0]
+        assert start["members"] == [member_addr], start
+        assert _gang_status(inv, run)["state"] == "running"
+    finally:
+        if flood is not None:
+            tb.node_exec("node-3", f"touch /root/strangers.json.stop; sleep 0.5; kill {flood} 2>/dev/null")
+        tb.node_exec("node-3", "; ".join(f"ip addr del {a}/24 dev eth0" for a in extra))
         dfo(inv, "stop", "-H", "node-1", "-H", "node-2", run)

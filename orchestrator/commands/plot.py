@@ -22,16 +22,43 @@ BUILTIN = ("loss", "lr", "tok_s", "step", "gpu_util", "gpu_mem", "gpu_power", "g
 DEFAULT_METRICS = ("loss", "tok_s", "gpu_util")
 
 
+def say_note(note: str | None) -> None:
+    """A remark of dfo's on stderr (stdout stays the document or the log): a --from-s3 bound hit."""
+    if note:
+        from ..cli_common import err_console
+
+        err_console.print(f"dfo: {safe(note)}", highlight=False, soft_wrap=True)
+
+
 def print_log_from_s3(loaded: LoadedJob | None, run: str | None, start: int | str) -> int:
-    """dfo tail --from-s3: the run's log as its node last put it beside outputs.dest."""
+    """dfo tail --from-s3: the run's log as its node last put it beside outputs.dest, read as a stream
+    (at most metrics.from_s3_bound("log") bytes: its newest part, said on stderr when the bound is hit)."""
     if loaded is None or not run:
         raise UsageError("dfo tail --from-s3 needs the job (-j) and the run's whole id",
                          hint="dfo tail -H HOST --from-s3 -j JOB RUN")
-    text = sm.from_s3(loaded, run, "log").decode(errors="replace").splitlines()
-    shown = text[int(start[1:]) - 1:] if isinstance(start, str) else text[-start:] if start else []
     import sys
+    from collections import deque
 
-    sys.stdout.write("".join(ln + "\n" for ln in shown))  # the trainer's bytes, as tail prints them
+    body = sm.open_from_s3(loaded, run, "log")
+    lines = (text for raw in body.lines() for text in (raw.decode(errors="replace").splitlines() or [""]))
+    out: list[str] = []
+
+    def flush() -> None:
+        sys.stdout.write("".join(out))  # the trainer's bytes, as tail prints them
+        out.clear()
+
+    if isinstance(start, str):  # +K: from line K on, written as it comes
+        first = int(start[1:])
+        for i, text in enumerate(lines, 1):
+            if i >= first:
+                out.append(text + "\n")
+                if len(out) >= 4096:
+                    flush()
+    elif start:  # the last N lines
+        out.extend(text + "\n" for text in deque(lines, maxlen=start))
+    flush()
+    sys.stdout.flush()
+    say_note(body.note)
     return 0
 
 
@@ -42,18 +69,44 @@ def split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
-def terminal_plot(xs: list[float], ys: list[float], width: int = 64, height: int = 12) -> list[str]:
-    """A character plot of one series: ``height`` rows of ``width`` columns, the y range on the left."""
+MARKS = (("!", "nan"), ("^", "inf"), ("v", "-inf"))  # how a non-finite training figure is drawn
+
+
+def _kind(y: float) -> str:
+    return "nan" if math.isnan(y) else "inf" if y > 0 else "-inf"
+
+
+def nonfinite(xs: list[float], ys: list[float]) -> list[dict[str, Any]]:
+    """The points of a series whose value is not finite (a diverged trainer's nan or inf): ``{x, value}``;
+    JSON prints their ``y`` as null, this list says which they were."""
+    return [{"x": x, "value": _kind(y)} for x, y in zip(xs, ys, strict=True) if not math.isfinite(y)]
+
+
+def _xs_text(xs: list[float], xlabel: str) -> str:
+    shown = ", ".join(f"{x:.6g}" for x in xs[:8])
+    return f"{xlabel} {shown}" + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
+
+
+def terminal_plot(xs: list[float], ys: list[float], width: int = 64, height: int = 12,
+                  xlabel: str = "x") -> list[str]:
+    """A character plot of one series: ``height`` rows of ``width`` columns, the y range on the left.
+    A value that is not finite is a marked point (``!`` nan and ``^`` inf on the top row, ``v`` -inf on
+    the bottom one) outside the range, named under the plot; the range is that of the finite values."""
     if not ys:
         return ["  (no values)"]
-    lo, hi = min(ys), max(ys)
+    fin = [y for y in ys if math.isfinite(y)]
+    lo, hi = (min(fin), max(fin)) if fin else (0.0, 0.0)
     x0, x1 = min(xs), max(xs)
     span, xspan = (hi - lo) or 1.0, (x1 - x0) or 1.0
     grid = [[" "] * width for _ in range(height)]
+    marks = dict((k, m) for m, k in MARKS)
     for x, y in zip(xs, ys, strict=True):
         c = min(width - 1, int((x - x0) / xspan * (width - 1)))
-        r = min(height - 1, int((y - lo) / span * (height - 1)))
-        grid[height - 1 - r][c] = "*"
+        if math.isfinite(y):
+            r = min(height - 1, int((y - lo) / span * (height - 1)))
+            grid[height - 1 - r][c] = "*"
+        else:
+            grid[height - 1 if y < 0 else 0][c] = marks[_kind(y)]
     label = max(len(f"{hi:.4g}"), len(f"{lo:.4g}"))
     out = []
     for i, row in enumerate(grid):
@@ -61,6 +114,12 @@ def terminal_plot(xs: list[float], ys: list[float], width: int = 64, height: int
         out.append(f"{tick:>{label}} |{''.join(row)}")
     out.append(" " * label + " +" + "-" * width)
     out.append(" " * label + f"  {x0:.6g}" + f"{x1:.6g}".rjust(max(1, width - len(f'{x0:.6g}'))))
+    for mark, kind in MARKS:
+        at = [x for x, y in zip(xs, ys, strict=True) if not math.isfinite(y) and _kind(y) == kind]
+        if at:
+            out.append(f"  {mark} {kind} at {_xs_text(at, xlabel)}")
+    if not fin:
+        out.append("  (no finite values)")
     return out
 
 
@@ -80,11 +139,19 @@ def write_png(series: list[dict[str, Any]], metrics: list[str], out: Path) -> No
     for k, metric in enumerate(metrics):
         ax = axes[k // cols][k % cols]
         for s in (s for s in series if s["metric"] == metric):
-            ax.plot(s["x"], s["y"], label=f"{s['run']} ({s['host']})", linewidth=1.2)
+            ys = [y if math.isfinite(y) else math.nan for y in s["y"]]  # a gap where the value is not finite
+            line = ax.plot(s["x"], ys, label=f"{s['run']} ({s['host']})", linewidth=1.2)[0]
+            for mark, kind in MARKS:  # and a marked point at the top (nan, inf) or the bottom (-inf)
+                at = [p["x"] for p in s["nonfinite"] if p["value"] == kind]
+                if at:
+                    ax.plot(at, [0.0 if kind == "-inf" else 1.0] * len(at), linestyle="none", clip_on=False,
+                            marker={"!": "x", "^": "^", "v": "v"}[mark], color=line.get_color(),
+                            transform=ax.get_xaxis_transform(), label=f"{kind} ({s['run']})")
         ax.set_title(metric)
         ax.set_xlabel(next((s["xlabel"] for s in series if s["metric"] == metric), ""))
         ax.grid(alpha=0.3)
-        if len({(s["host"], s["run"]) for s in series}) > 1:
+        if len({(s["host"], s["run"]) for s in series}) > 1 or any(s["nonfinite"] for s in series
+                                                                   if s["metric"] == metric):
             ax.legend(fontsize=7)
     for k in range(n, rows * cols):
         axes[k // cols][k % cols].axis("off")
@@ -129,7 +196,11 @@ def plot_cmd(ctx: click.Context, hosts: tuple[str, ...], args: tuple[str, ...], 
         if loaded is None or run is None:
             raise UsageError("dfo plot --from-s3 needs the job (-j) and the run's whole id",
                              hint="dfo plot --from-s3 -j JOB RUN [METRIC...]")
-        got = [("s3", r, sm.parse_jsonl(sm.from_s3(loaded, r, "metrics.jsonl"))) for r in (run, *more_runs)]
+        got = []
+        for r in (run, *more_runs):
+            rows, note = sm.rows_from_s3(loaded, r)
+            say_note(note)
+            got.append(("s3", r, rows))
         return _plot(got, metrics, output, as_json)
     if not hosts:
         raise UsageError("dfo plot needs -H HOST (or --from-s3 with -j)")
@@ -164,7 +235,7 @@ def _plot(runs: list[tuple[str, str, list[dict[str, Any]]]], metrics: list[str],
         for metric in wanted:
             xs, ys = sm.series(rows, metric)
             series.append({"host": host, "run": rid, "metric": metric, "xlabel": sm.x_label(rows, metric),
-                           "x": xs, "y": ys})
+                           "x": xs, "y": ys, "nonfinite": nonfinite(xs, ys)})
     empty = [m for m in wanted if not any(s["y"] for s in series if s["metric"] == m)]
     if empty:
         raise UsageError(f"no values of {', '.join(empty)} in the run's metrics.jsonl",
@@ -183,7 +254,7 @@ def _plot(runs: list[tuple[str, str, list[dict[str, Any]]]], metrics: list[str],
     for s in series:
         console.print(f"[bold]{safe(s['metric'])}[/] of {safe(s['run'])} on {safe(s['host'])} "
                       f"(x: {s['xlabel']}, {len(s['y'])} points)", highlight=False)
-        for ln in terminal_plot(s["x"], s["y"]):
+        for ln in terminal_plot(s["x"], s["y"], xlabel=s["xlabel"]):
             console.print(safe(ln), highlight=False, markup=False)
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -12,12 +13,18 @@ from ..errors import UsageError
 from ..steps import metrics as sm
 from ..steps.runs import RunInfo
 from ..transport.base import Transport
+from .plot import say_note
 from .runs_follow import run_workspace
 
 
 def render(host: str, s: dict[str, Any]) -> None:
     def v(x: Any, fmt: str = "", unit: str = "") -> str:
-        return "-" if x is None else (format(x, fmt) if fmt else str(x)) + unit
+        """A figure as text; ``nan``/``inf`` (the last loss of a diverged run) as themselves."""
+        if x is None:
+            return "-"
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x) + unit
+        return (format(x, fmt) if fmt else str(x)) + unit
 
     rows = [("run", s["run"]), ("host", host), ("state", s["state"]), ("started", s["started"]),
             ("ended", s["ended"]), ("hours", v((s["seconds"] or 0) / 3600, ".2f")),
@@ -60,8 +67,9 @@ def report_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, from
         if loaded is None or not run:
             raise UsageError("dfo report --from-s3 needs the job (-j) and the run's whole id",
                              hint="dfo report -H HOST --from-s3 -j JOB RUN")
-        rows = sm.parse_jsonl(sm.from_s3(loaded, run, "metrics.jsonl"))
-        ts = [float(r["t"]) for r in rows if isinstance(r.get("t"), int | float)]
+        rows, note = sm.rows_from_s3(loaded, run)  # bounded, parsed as a stream, thinned as the node thins
+        say_note(note)
+        ts = [float(r["t"]) for r in rows]  # noderows: every row has a finite t
         info = RunInfo(id=run, job=loaded.job.name, state="unknown (from S3)", started_ts=min(ts, default=None),
                        ended_ts=max(ts, default=None), host=sess.names[0])
         doc = sm.summary(info, rows, sm.price_of(sess.inventory, sess.names[0]))

@@ -18,9 +18,9 @@ from ..cli_common import (
     job_option,
     json_option,
     print_json,
-    print_outcome,
     safe,
     session,
+    show_outcome,
 )
 from ..config.models import LoadedJob, RunConfig, load_job
 from ..diagnosis import render as render_diagnoses
@@ -331,10 +331,10 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     if as_json:
         print_json({**hosts_json(outcomes, to_json), "gang": gang})
         return exit_code_of(outcomes)
-    for o in outcomes:
-        print_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=True, job_path=job_path))
+    shown = [show_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=True, job_path=job_path))
+             for o in outcomes]
     console.print(gang_line(gang), highlight=False, soft_wrap=True)
-    return exit_code_of(outcomes)
+    return max([*shown, exit_code_of(outcomes)])
 
 
 def _resumed_steps(loaded: LoadedJob, runs: list[steps.RunInfo]) -> None:

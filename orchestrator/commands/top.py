@@ -3,6 +3,7 @@ figures, step rate, ETA, cost), from the sampler's metrics.jsonl (remote/runs/me
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -20,14 +21,33 @@ WINDOW_S = 900  # rows of the last 15 minutes: enough for the step rate and the 
 
 
 def _hms(s: float | None) -> str:
-    if s is None:
+    if s is None or not math.isfinite(s):
         return "-"
     s = int(s)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def _error_row(host: str, message: str) -> tuple[str, ...]:
+    return safe(host), "-", "[red]error[/]", "", safe(message), "", "", "", "", ""
+
+
+def row(host: str, d: dict[str, Any]) -> tuple[str, ...]:
+    """One host's row of the table (markup), from its view (steps/metrics.py ``view``) or its error."""
+    if "error" in d:
+        return _error_row(host, (d["error"] or {}).get("message", ""))
+    gpus = "\n".join(safe(sm.gpu_text(g)) for g in d["gpus"]) or "no GPU figures"
+    if d.get("xid"):
+        gpus += f"\n[red]XID x{d['xid']}[/]"
+    rate = f"{d['steps_per_s']:.2f} st/s" if d.get("steps_per_s") else "-"
+    cost = f"${d['cost']:.2f}" if d.get("cost") is not None else "-"
+    return (safe(host), safe(d["run"]), state_markup(d["state"]), _hms(d.get("seconds")), gpus,
+            safe(sm.host_text(d["host"])) if d["host"] else "-", safe(sm.train_text(d.get("train"))), rate,
+            _hms(d.get("eta_s")), cost)
+
+
 def render(docs: dict[str, dict[str, Any]]) -> Any:
-    """The rich table of every host's view (errors as one row each)."""
+    """The rich table of every host's view (errors as one row each). Each host's row is made on its
+    own: one that cannot be shown is that host's error row, and every other host is still shown."""
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False, header_style="bold", title=f"dfo top  {time.strftime('%H:%M:%S')}",
@@ -36,17 +56,11 @@ def render(docs: dict[str, dict[str, Any]]) -> Any:
                 "rate", "ETA", "cost"):
         t.add_column(col, overflow="fold")
     for host, d in docs.items():
-        if "error" in d:
-            t.add_row(safe(host), "-", "[red]error[/]", "", safe(d["error"].get("message", "")), "", "", "", "", "")
-            continue
-        gpus = "\n".join(safe(sm.gpu_text(g)) for g in d["gpus"]) or "no GPU figures"
-        if d.get("xid"):
-            gpus += f"\n[red]XID x{d['xid']}[/]"
-        rate = f"{d['steps_per_s']:.2f} st/s" if d.get("steps_per_s") else "-"
-        cost = f"${d['cost']:.2f}" if d.get("cost") is not None else "-"
-        t.add_row(safe(host), safe(d["run"]), state_markup(d["state"]), _hms(d.get("seconds")), gpus,
-                  safe(sm.host_text(d["host"])) if d["host"] else "-", safe(sm.train_text(d.get("train"))), rate,
-                  _hms(d.get("eta_s")), cost)
+        try:
+            cells = row(host, d)
+        except Exception as exc:  # noqa: BLE001 -- this host's row only, never the others'
+            cells = _error_row(host, f"could not show this host's view: {type(exc).__name__}: {exc}")
+        t.add_row(*cells)
     return t
 
 

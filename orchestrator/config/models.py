@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from remote.lib.redact import is_secret
@@ -15,6 +15,7 @@ from remote.lib.redact import is_secret
 from ..errors import ConfigError, UsageError
 from ..nodepath import canonical
 from . import rules as jobrules
+from . import sshvalues
 from .yamlpos import load_model
 
 DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
@@ -32,35 +33,51 @@ class Strict(BaseModel):
 # --------------------------------------------------------------------------- inventory
 
 
+# values that reach ssh_config or ssh's argv (orchestrator/config/sshvalues.py): no control characters, no
+# blanks where ssh reads one word; numbers finite (a ConnectTimeout of inf is no number ssh takes)
+SshHost = Annotated[str, AfterValidator(sshvalues.ssh_host)]
+SshUser = Annotated[str, AfterValidator(sshvalues.ssh_user)]
+SshPath = Annotated[str, AfterValidator(sshvalues.ssh_path)]
+SshJump = Annotated[str, AfterValidator(sshvalues.ssh_jump)]
+NodeText = AfterValidator(sshvalues.plain_text)
+
+
 class HostDefaults(Strict):
-    user: str | None = None
+    user: SshUser | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
-    identity: str | None = None
-    known_hosts: str = DEFAULT_KNOWN_HOSTS
-    python: Annotated[str, AfterValidator(canonical)] = "python3"
+    identity: SshPath | None = None
+    known_hosts: SshPath = DEFAULT_KNOWN_HOSTS
+    python: Annotated[str, NodeText, AfterValidator(canonical)] = "python3"
     # None: the node's default, /workspace when its user can write it, else ~/workspace (remote/lib/fsutil.py)
-    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
-    connect_timeout: float = Field(default=10.0, gt=0)
-    command_timeout: float = Field(default=600.0, gt=0)
-    proxy_jump: str | None = None
+    workspace: Annotated[str, NodeText, AfterValidator(jobrules.node_path)] | None = None
+    connect_timeout: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    command_timeout: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    # seconds from a call's start (its connection included) until the node's side runs dfo's command; past it
+    # the host does not answer (exit 4), whatever the call's own timeout (orchestrator/transport/base.py CallClock)
+    start_timeout: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    proxy_jump: SshJump | None = None
     transport: TransportName | None = None  # every host's, unless its own entry says otherwise
-    ssh_persist: float = Field(default=60.0, ge=0)  # OpenSSH: seconds a shared connection outlives dfo; 0: off
-    ssh_config: str | None = None  # OpenSSH and paramiko: this ssh_config file only (as ssh -F)
-    price_per_hour: float | None = Field(default=None, ge=0)  # every host's, unless its own entry says otherwise
+    # OpenSSH: seconds a shared connection outlives dfo; 0: off
+    ssh_persist: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    ssh_config: SshPath | None = None  # OpenSSH and paramiko: this ssh_config file only (as ssh -F)
+    # every host's, unless its own entry says otherwise
+    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class HostEntry(Strict):
-    host: str | None = None
+    host: SshHost | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
-    user: str | None = None
-    identity: str | None = None
+    user: SshUser | None = None
+    identity: SshPath | None = None
     gpus: int | None = Field(default=None, ge=0)
-    python: Annotated[str, AfterValidator(canonical)] | None = None
-    workspace: Annotated[str, AfterValidator(jobrules.node_path)] | None = None
-    proxy_jump: str | None = None
+    python: Annotated[str, NodeText, AfterValidator(canonical)] | None = None
+    workspace: Annotated[str, NodeText, AfterValidator(jobrules.node_path)] | None = None
+    proxy_jump: SshJump | None = None
     transport: TransportName | None = None  # default: defaults.transport, else ssh
-    private_address: str | None = None  # how the other nodes of a gang reach this one; default: host
-    price_per_hour: float | None = Field(default=None, ge=0)  # what the node costs (status, top, report)
+    private_address: SshHost | None = None  # how the other nodes of a gang reach this one; default: host
+    start_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # default: defaults.start_timeout
+    # what the node costs (status, top, report)
+    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class Inventory(Strict):
@@ -95,6 +112,7 @@ class ResolvedHost(BaseModel):
     workspace: str | None = None  # None: the node's default workspace (decided on the node)
     connect_timeout: float = 10.0
     command_timeout: float = 600.0
+    start_timeout: float = 30.0  # the host's start_timeout, else the defaults' (HostDefaults.start_timeout)
     gpus: int | None = None
     private_address: str | None = None  # the inventory's hosts.NAME.private_address, else None
     # the OpenSSH transport's (orchestrator/transport/openssh_setup.py): the name ssh is given, the host's own
@@ -340,14 +358,6 @@ class NotifyConfig(Strict):
     webhook: str
     on: list[Literal["failed", "lost", "restarted", "succeeded", "stopped", "idle"]] = [
         "failed", "lost", "restarted", "succeeded", "idle"]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _yaml_on(cls, v: object) -> object:
-        """YAML 1.1 reads a bare ``on:`` key as true: take it as ``on``."""
-        if isinstance(v, dict) and True in v and "on" not in v:
-            v = {("on" if k is True else k): x for k, x in v.items()}
-        return v
 
 
 class Job(Strict):

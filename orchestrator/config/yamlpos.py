@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from ..errors import ConfigError
+from . import yaml11
 
 # libyaml's safe loader when PyYAML was built with it: a job file in 1 ms instead of 7
 _FAST = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -75,6 +76,20 @@ def yaml_error(name: str, text: str, exc: yaml.YAMLError) -> str:
     return f"{name}{f':{line}' if line else ''}: not valid YAML: {problem}"
 
 
+def _load(text: str, loader: type[yaml.SafeLoader] | type[yaml.CSafeLoader], model: type[BaseModel]) -> Any:
+    """The document, constructed after YAML 1.1's traps are met for ``model`` (orchestrator.config.yaml11:
+    a bare ``on:`` key is "on", ``version: 3.10`` is refused): as yaml.load, with a step between."""
+    parser = loader(text)
+    try:
+        node = parser.get_single_node()
+        if node is None:
+            return None
+        yaml11.fit(node, model)
+        return parser.construct_document(node)
+    finally:
+        parser.dispose()
+
+
 def load_model(path: Path, model: type[BaseModel], *, display: str | None = None) -> Any:
     """Parse ``path`` as YAML and validate it with ``model``; errors name file, line and field."""
     name = display or str(path)
@@ -85,12 +100,16 @@ def load_model(path: Path, model: type[BaseModel], *, display: str | None = None
     except OSError as exc:
         raise ConfigError(f"{name}: cannot read: {exc.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_FAST)  # a safe loader (libyaml's when PyYAML has it)
-    except yaml.YAMLError:
-        try:  # the pure-Python parser: its message and position, as ever; and it decides
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(yaml_error(name, text, exc)) from None
+        try:
+            data = _load(text, _FAST, model)  # a safe loader (libyaml's when PyYAML has it)
+        except yaml.YAMLError:
+            try:  # the pure-Python parser: its message and position, as ever; and it decides
+                data = _load(text, yaml.SafeLoader, model)
+            except yaml.YAMLError as exc:
+                raise ConfigError(yaml_error(name, text, exc)) from None
+    except yaml11.Trap as trap:
+        field = ".".join(str(p) for p in trap.loc) or "(top level)"
+        raise ConfigError(f"{name}:{trap.line}: {field}: {trap.message}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

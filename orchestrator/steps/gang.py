@@ -296,7 +296,8 @@ def prepare(sess: Any, job: Job, run_id: str) -> GangPlan:
             # the watch port listens where the gang watch will: rank 0's gang address only
             req = {"op": "listen", "ports": ports, "token": token, "expect": len(plan.nodes) - 1,
                    "window": CHECK_WINDOW_S, "bind": {"ports": [plan.watch_port], "address": plan.master.address,
-                                                      "peer": plan.nodes[1].address}}
+                                                      "peer": plan.nodes[1].address},
+                   "members": [n.address for n in plan.nodes[1:]]}  # admitted apart from strangers
         else:
             req = {"op": "connect", "address": plan.master.address, "ports": ports, "token": token,
                    "rank": node.rank, "window": CHECK_WINDOW_S - 2}

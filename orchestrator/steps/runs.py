@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .. import nodepath
 from ..agent import NODE, run_module
@@ -76,6 +76,22 @@ class RunInfo(BaseModel):
     metrics: dict[str, Any] | None = None  # the sampler's last rows: {"sys": ..., "train": ...} (docs/metrics.md)
     cost: float | None = None  # status: the cost so far (hosts.NAME.price_per_hour), set by the command
     generation: dict[str, Any] | None = None  # a run that recovers: lineage, generation, restarts (issue 20)
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics_read_once(cls, v: object) -> dict[str, Any] | None:
+        """The node's last rows, through the one reading place (noderows): finite figures only."""
+        from .noderows import last
+
+        return last(v)
+
+    @field_validator("started_ts", "ended_ts", "stop_seconds", mode="before")
+    @classmethod
+    def _finite_or_none(cls, v: object) -> object:
+        """A time from the node that is no finite number (NaN, Infinity, true, text) is no time: None."""
+        from .noderows import finite
+
+        return finite(v)
 
     def diagnoses(self, seen: list[str] | None = None) -> list[Diagnosis]:
         if self.state not in ("failed", "lost"):
@@ -315,7 +331,8 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
         peer = (gang.nodes[1].address if node.rank == 0 else gang.master.address) if len(gang.nodes) > 1 else None
         req["gang"] = {"rank": node.rank, "hosts": [n.host for n in gang.nodes], "hub": gang.master.address,
                        "port": gang.watch_port, "secret": gang.secret, "gloo_ifname": node.gloo_ifname,
-                       "address": node.address, "peer": peer}
+                       "address": node.address, "peer": peer,
+                       "addrs": [n.address for n in gang.nodes]}  # the hub admits these apart from strangers
     if out is not None:
         from .outputs import launch_fields
 

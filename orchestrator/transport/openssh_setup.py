@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import cache_dir
+from ..config.sshvalues import control_char, jump_problem, word_problem
 from ..errors import ConfigError, HostError
 from .openssh_early import state_dir, write_private
 
@@ -122,10 +123,22 @@ def usable_ssh() -> str | None:
 # ------------------------------------------------------------------------------------------ config files
 
 def q(value: str) -> str:
-    """A value for an ssh_config line: double-quoted (ssh_config's own quoting; no '"' allowed in it)."""
-    if '"' in value or "\n" in value:
-        raise ConfigError(f"{value!r}: dfo cannot pass a value with '\"' or a newline to ssh_config")
+    """A value for an ssh_config line: double-quoted (ssh_config's own quoting; no '"' allowed in it, nor a
+    control character: a newline would end the line and start directives of the value's own)."""
+    if '"' in value or control_char(value) is not None:
+        raise ConfigError(f"{value!r}: dfo cannot pass a value with '\"' or a control character to ssh_config")
     return f'"{value}"'
+
+
+def bare(key: str, value: str) -> str:
+    """A value that ssh_config (or ``ssh -o``) takes unquoted (Port, ProxyJump): one word, checked again here
+    whatever the inventory's model let through (orchestrator/config/sshvalues.py), so that no value can end
+    dfo's line and write directives of its own."""
+    v = value.strip()
+    why = jump_problem(v) if key == "ProxyJump" else word_problem(v, key)
+    if why is not None:
+        raise ConfigError(f"{key}: {why}", hint="fix it in the inventory")
+    return v
 
 
 def pct(value: str) -> str:
@@ -196,7 +209,7 @@ def resolution_config(alias: str, explicit: str | None, policy: list[str], defau
     every = {k: v for k, v in defaults.items() if k not in own}
     if own:  # the host's port and jump path: this host only (a jump host has its own)
         lines.append(f"Match originalhost {q(alias)}")
-        lines += [f"  {k} {v.strip()}" for k, v in own.items()]
+        lines += [f"  {k} {bare(k, v)}" for k, v in own.items()]
     if every:  # user and key: the hops of its ProxyJump path too, as the paramiko transport does
         lines.append("Host *")
         lines += [f"  {k} {q(v)}" for k, v in every.items()]

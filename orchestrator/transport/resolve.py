@@ -184,7 +184,7 @@ def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, ex
     """The OpenSSH transport's view of a host: `ssh -G` with dfo's config (orchestrator/transport/openssh_setup.py)
     says what ssh will use; the host's own fields are -o options (they win), the inventory's defaults
     fill what ssh_config leaves unset."""
-    from .openssh_setup import pct, q, resolve
+    from .openssh_setup import bare, pct, q, resolve
 
     d = inv.defaults
     own: list[str] = []
@@ -195,7 +195,7 @@ def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, ex
     if entry.identity:
         own.append(f"IdentityFile={q(pct(absolute(entry.identity)))}")
     if entry.proxy_jump:
-        own.append(f"ProxyJump={entry.proxy_jump.strip()}")  # ssh takes no quotes here (no blanks in it)
+        own.append(f"ProxyJump={bare('ProxyJump', entry.proxy_jump)}")  # ssh takes no quotes here (no blanks in it)
     fill: dict[str, str] = {}
     if d.user:
         fill["User"] = d.user

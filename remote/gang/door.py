@@ -4,13 +4,19 @@ The hub (remote/gang/watch.py) and the address check's ``listen`` op (remote/gan
 connections that have not shown anything yet: a join MAC'd with the gang's secret, or the check's token.
 Anyone on the network can open such a connection, so they are bounded (issue 19):
 
-* ``_Pending``: at most 64 in all and 8 from one address, each for 3 s; when every slot is taken the
-  address holding the most gives up its oldest to a newcomer from an address holding fewer, otherwise
-  the newcomer is reset at once. A joined member is never one of them.
-* ``HubDoor``: one thread with ``selectors`` (any descriptor number, unlike select()) accepts, says hello
-  and reads the join; a valid join is handed over (``on_join``), which gives it its own thread.
+* ``_Pending``: strangers (any address that is not the gang's) get at most 64 slots in all and 8 from one
+  address, each for 3 s; when every slot is taken the address holding the most gives up its oldest to a
+  newcomer from an address holding fewer, otherwise the newcomer is reset at once. The gang's own member
+  addresses (its plan's addresses, and any address a member has joined from) are admitted outside those
+  64, so a member never waits on strangers (issue 32): up to 128 pending from one member address (4,096
+  from all of them), and a newcomer from a member address is never refused: when its address holds 128 it
+  takes that address's oldest slot. Before any pending connection is evicted, what it has sent is read: a
+  valid join is taken in, not evicted. A joined member is never one of them.
+* ``HubDoor``: one thread with ``selectors`` (any descriptor number, unlike select()) reads joins, then
+  accepts (in batches of 64) and says hello; a valid join is handed over (``on_join``), which gives it its
+  own thread.
   accept() out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS, ENOMEM) frees the oldest pending
-  connection, backs off briefly and goes on; only ``done`` ends the loop.
+  connection (a stranger's first), backs off briefly and goes on; only ``done`` ends the loop.
 * ``raise_nofile``: the hub's process raises its soft open-file limit to the hard one (at most 65,536).
 * ``bind_address``: the one address the hub (and the check of its port) listens on: rank 0's gang address,
   or, where that is NAT'd, the node's own address on the route to a member. Never every address.
@@ -21,12 +27,21 @@ import selectors
 import socket
 import struct
 import time
+from typing import Any, Iterable, Optional, Set, Tuple
 
 from remote.gang.wire import MAX_LINE, _mac, _num, _same
 
 PENDING_MAX = 64  # connections that have not joined (or shown the check's token), in all
 PENDING_PER_PEER = 8  # ... from one address: one host outside the gang cannot take every slot
 PENDING_TIMEOUT = 3.0  # seconds a new connection has to send its join (one round trip is enough)
+# From one of the gang's own member addresses, outside the strangers' 64: a newcomer from there is never refused
+# (it takes that address's oldest slot when the address holds this many). Whoever else connects from a member's
+# address (a process on that node, a spoofer that completes TCP handshakes) must then open this many connections
+# between the member's connect and its join (one round trip) to push the member out: two of the door's accept
+# batches at least, and joins are read between batches.
+MEMBER_PENDING_PER_ADDR = 128
+MEMBER_PENDING_MAX = 4096  # ... from all member addresses together (descriptors: within NOFILE_CAP)
+ACCEPT_BATCH = 64  # accepts in a row; then the pending connections' joins are read
 # accept() errors that say "out of descriptors or buffers for now": back off and go on accepting
 ACCEPT_LATER = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 NOFILE_CAP = 65536  # the hub's soft open-file limit is raised to the hard one, up to this
@@ -120,49 +135,87 @@ def _abort(sock):
 
 
 class _Pending(object):
-    """The connections that have not proved themselves yet: at most ``cap`` in all and ``per_peer`` from one
-    address, each for ``timeout`` seconds. When every slot is taken, the address holding the most gives up its
-    oldest to a newcomer from an address holding fewer; otherwise the newcomer is refused at once. A joined
-    member is never one of them (its connection leaves this set as it joins)."""
+    """The connections that have not proved themselves yet, in two pools.
 
-    def __init__(self, cap=PENDING_MAX, per_peer=PENDING_PER_PEER, timeout=PENDING_TIMEOUT):
+    Strangers: at most ``cap`` in all and ``per_peer`` from one address, each for ``timeout`` seconds. When
+    every slot is taken, the address holding the most gives up its oldest to a newcomer from an address
+    holding fewer; otherwise the newcomer is refused at once.
+
+    Members' addresses (``members``, which may grow): outside the strangers' pool, at most ``member_per_peer``
+    from one address and ``member_cap`` in all; a newcomer from there is never refused: it takes its own
+    address's oldest slot (or, when all member slots are taken, the oldest slot of the member address holding
+    the most). A joined member is never in either pool (its connection leaves as it joins)."""
+
+    def __init__(self, cap=PENDING_MAX, per_peer=PENDING_PER_PEER, timeout=PENDING_TIMEOUT, members=(),
+                 member_per_peer=MEMBER_PENDING_PER_ADDR, member_cap=MEMBER_PENDING_MAX):
         self.cap, self.per_peer, self.timeout = cap, per_peer, float(timeout)
-        self.conns = {}  # sock -> {"peer", "deadline", "buf", ...}
-        self.by_peer = {}  # peer -> [sock, ...], oldest first
+        self.member_per_peer, self.member_cap = member_per_peer, member_cap
+        self.members = set(members)  # the gang's member addresses
+        self.conns = {}  # sock -> {"peer", "member", "deadline", "buf", ...}
+        self.by_peer = {}  # strangers: peer -> [sock, ...], oldest first
+        self.member_by_peer = {}  # members' addresses: peer -> [sock, ...], oldest first
+        self.strangers = 0  # len(self.conns) == self.strangers + members' pending
 
     def __len__(self):
         return len(self.conns)
 
-    def admit(self, sock, peer, **data):
-        """(admitted, evicted): not admitted = close ``sock`` now; evicted = a pending socket, already dropped
-        from the set, for the caller to close (or None)."""
+    def choose(self, peer: str) -> Tuple[bool, Optional[socket.socket]]:
+        """(admit, victim) for a newcomer from ``peer``: admit = whether it may have a slot; victim = the
+        pending socket that must make room for it first (still in the set), or None."""
+        if peer in self.members:
+            mine = self.member_by_peer.get(peer, [])
+            if len(mine) >= self.member_per_peer:
+                return True, mine[0]
+            if len(self.conns) - self.strangers >= self.member_cap:
+                top = max(self.member_by_peer, key=lambda p: len(self.member_by_peer[p]))
+                return True, self.member_by_peer[top][0]
+            return True, None
         mine = len(self.by_peer.get(peer, ()))
         if mine >= self.per_peer:
             return False, None
-        evicted = None
-        if len(self.conns) >= self.cap:
+        if self.strangers >= self.cap:
             top = max(self.by_peer, key=lambda p: len(self.by_peer[p]))
             if len(self.by_peer[top]) <= mine + 1:
                 return False, None
-            evicted = self.by_peer[top][0]
-            self.drop(evicted)
-        self.conns[sock] = dict(data, peer=peer, deadline=time.monotonic() + self.timeout, buf=b"")
-        self.by_peer.setdefault(peer, []).append(sock)
-        return True, evicted
+            return True, self.by_peer[top][0]
+        return True, None
+
+    def add(self, sock: socket.socket, peer: str, **data: Any) -> None:
+        member = peer in self.members
+        self.conns[sock] = dict(data, peer=peer, member=member, deadline=time.monotonic() + self.timeout, buf=b"")
+        (self.member_by_peer if member else self.by_peer).setdefault(peer, []).append(sock)
+        if not member:
+            self.strangers += 1
+
+    def admit(self, sock, peer, **data):
+        """(admitted, evicted): not admitted = close ``sock`` now; evicted = a pending socket, already dropped
+        from the set, for the caller to close (or None)."""
+        ok, victim = self.choose(peer)
+        if not ok:
+            return False, None
+        if victim is not None:
+            self.drop(victim)
+        self.add(sock, peer, **data)
+        return True, victim
 
     def drop(self, sock):
         """Forget ``sock``; its entry, or None."""
         ent = self.conns.pop(sock, None)
         if ent is not None:
-            socks = self.by_peer.get(ent["peer"], [])
+            pool = self.member_by_peer if ent["member"] else self.by_peer
+            if not ent["member"]:
+                self.strangers -= 1
+            socks = pool.get(ent["peer"], [])
             if sock in socks:
                 socks.remove(sock)
             if not socks:
-                self.by_peer.pop(ent["peer"], None)
+                pool.pop(ent["peer"], None)
         return ent
 
     def oldest(self):
-        return min(self.conns, key=lambda s: self.conns[s]["deadline"]) if self.conns else None
+        """The oldest pending stranger; the oldest pending connection when no stranger is pending."""
+        socks = [s for s, ent in self.conns.items() if not ent["member"]] or list(self.conns)
+        return min(socks, key=lambda s: self.conns[s]["deadline"]) if socks else None
 
     def expired(self, now=None):
         now = time.monotonic() if now is None else now
@@ -189,16 +242,36 @@ class _Pending(object):
         return line, rest
 
 
+def member_ips(addresses: Optional[Iterable[Any]]) -> Set[str]:
+    """The IPs of the gang's member addresses (a name: every address it resolves to; one that does not resolve
+    is left out), written as connections show them (``_peer_ip``)."""
+    out: Set[str] = set()
+    for a in addresses or ():
+        if not isinstance(a, str) or not a:
+            continue
+        try:
+            found = socket.getaddrinfo(a, None, 0, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError, ValueError):
+            continue
+        out.update(_peer_ip((ai[4][0],)) for ai in found)
+    return out
+
+
 class HubDoor(object):
     """The hub's accept loop: ``run()`` until ``done`` is set. ``event(kind, **kw)`` reports ("bad-line" for a
     connection that left without a valid join, "busy" for one refused or evicted, "accept-error");
     ``on_join(sock, ip, rank, session, rest)`` takes a valid join's socket (blocking again), the member's
-    rank, the session (hub nonce + member nonce) and the bytes that came after the join line."""
+    rank, the session (hub nonce + member nonce) and the bytes that came after the join line. ``members``:
+    the members' IPs (``member_ips``), admitted outside the strangers' pool; an address a member joins from
+    is added to them (one per rank: the latest)."""
 
-    def __init__(self, listener, secret, gang_id, ranks, done, event, on_join, timeout=PENDING_TIMEOUT):
+    def __init__(self, listener, secret, gang_id, ranks, done, event, on_join, timeout=PENDING_TIMEOUT,
+                 members=()):
         self.listener, self.secret, self.gang_id, self.ranks = listener, secret, gang_id, set(ranks)
         self.done, self.event, self.on_join = done, event, on_join
-        self.pending = _Pending(timeout=timeout)
+        self.planned = set(members)
+        self.joined_from = {}  # rank -> the address its last valid join came from
+        self.pending = _Pending(timeout=timeout, members=self.planned)
         self.sel = selectors.DefaultSelector()
 
     def drop(self, sock, why=None):
@@ -220,10 +293,12 @@ class HubDoor(object):
                 except OSError:  # the listener went away under us (close()): wait for done
                     self.done.wait(0.1)
                     continue
-                for key, _ in ready:
+                # joins first, then new connections: a member's join that is here is never pushed out by
+                # the batch of connections behind it
+                for key, _ in sorted(ready, key=lambda kv: kv[0].data is None):
                     if key.data is None:
                         self._accept_batch()
-                    else:
+                    elif key.fileobj in self.pending.conns:
                         self._input(key.fileobj, key.data)
                 for sock in self.pending.expired():
                     self.drop(sock, "timeout")
@@ -233,7 +308,7 @@ class HubDoor(object):
             self.sel.close()
 
     def _accept_batch(self):
-        for _ in range(64):  # a batch, then the pending connections get their turn
+        for _ in range(ACCEPT_BATCH):  # a batch, then the pending connections get their turn
             try:
                 sock, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -254,16 +329,18 @@ class HubDoor(object):
             self._admit(sock, _peer_ip(peer))
 
     def _admit(self, sock, ip):
-        ok, evicted = self.pending.admit(sock, ip)
-        if evicted is not None:
-            self.drop(evicted)
-            self.event("busy", peer=ip, pending=len(self.pending))
+        ok, victim = self.pending.choose(ip)
+        if victim is not None:
+            self._input(victim, self.pending.conns[victim]["peer"])  # a join already there is taken in
+            if victim in self.pending.conns:
+                self.drop(victim)
+                self.event("busy", peer=ip, pending=len(self.pending))
         if not ok:
             _abort(sock)
             self.event("busy", peer=ip, pending=len(self.pending))
             return
         nonce = os.urandom(16).hex()
-        self.pending.conns[sock]["nonce"] = nonce
+        self.pending.add(sock, ip, nonce=nonce)
         hello = ("hello %s %s\n" % (nonce, _mac(self.secret, "hello", self.gang_id, nonce))).encode()
         try:
             sock.setblocking(False)
@@ -290,9 +367,13 @@ class HubDoor(object):
             return
         self.pending.drop(sock)
         self.sel.unregister(sock)
+        rank = int(parts[1])
+        if self.joined_from.get(rank) != ip:  # the member proved itself from here: its address from now on
+            self.joined_from[rank] = ip
+            self.pending.members = self.planned | set(self.joined_from.values())
         try:
             sock.setblocking(True)
         except OSError:
             sock.close()
             return
-        self.on_join(sock, ip, int(parts[1]), nonce + parts[2], rest)
+        self.on_join(sock, ip, rank, nonce + parts[2], rest)

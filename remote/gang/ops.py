@@ -11,7 +11,8 @@
   [rank, ...]}}. A peer proves it reached this listener by echoing the token. A port in ``bind`` {ports,
   address, peer} listens where the gang watch will: ``bind_address(address, peer)`` only; the others on
   every address (as torchrun's store). Connections that have not shown the token are bounded
-  (gangdoor._Pending: 64, 8 per address, 3 s each); selectors, so any number of descriptors works.
+  (gangdoor._Pending: 64, 8 per address, 3 s each); the gang's own addresses (``members``) are admitted
+  apart from those 64, as at the hub (issue 32); selectors, so any number of descriptors works.
 * ``connect`` {address, ports, token, rank, window, connect_timeout} (the others): a TCP connection
   to address:port for each port, retried until ``window`` -> {"ok", "port", "error"}.
 * ``iface`` {address, peer} -> {"ifname": str|null}: the interface gloo should use (GLOO_SOCKET_IFNAME).
@@ -28,7 +29,7 @@ import time
 from typing import Dict, List, Optional, Set, TypedDict
 
 from remote._proto import serve
-from remote.gang.door import ACCEPT_LATER, _abort, _ip, _peer_ip, _Pending, bind_address, listen_socket
+from remote.gang.door import ACCEPT_LATER, _abort, _ip, _peer_ip, _Pending, bind_address, listen_socket, member_ips
 from remote.lib.fsutil import node_path, workspace
 
 # --------------------------------------------------------------------------- requests and replies
@@ -51,6 +52,7 @@ class ListenRequest(TypedDict, total=False):
     token: str
     expect: int
     window: float
+    members: List[str]  # the other nodes' gang addresses: admitted apart from strangers
 
 
 class ConnectRequest(TypedDict, total=False):
@@ -225,7 +227,7 @@ def listen(req: ListenRequest):
     if failed:
         return {"ok": False, "port": failed[0], "error": failed[1], "peers": {}}
     peers: Dict[int, Set[str]] = dict((p, set()) for p in ports)
-    pending = _Pending()
+    pending = _Pending(members=member_ips(req.get("members")))
     sel = selectors.DefaultSelector()
 
     def drop(c):

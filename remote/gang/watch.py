@@ -27,9 +27,11 @@ controller on stdin, one per gang run, never in argv or a file another user can 
 
 Nor can anyone without it starve the hub (remote/gang/door.py): one thread (selectors) accepts and reads
 joins; connections that have not joined are bounded (64 in all, 8 per address, 3 s each to send a valid
-join; the excess is reset at once); a joined member gets its own thread and never counts against the
-bound; accept() out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS) backs off and goes on; the hub
-raises its soft open-file limit to the hard one (at most 65,536) at start.
+join; the excess is reset at once); the gang's own member addresses (``addrs``, and any address a member
+joined from) are admitted outside those 64, so a member never waits on strangers; a joined member gets its
+own thread and never counts against the bound; accept() out of descriptors or buffers (EMFILE, ENFILE,
+ENOBUFS) backs off and goes on; the hub raises its soft open-file limit to the hard one (at most 65,536) at
+start.
 
 ``python3 -m remote.gang.watch`` (a spec JSON line on stdin) runs a command under a watch: the tests
 and a manual check use it; the supervisor uses the class.
@@ -45,7 +47,7 @@ import threading
 import time
 from typing import Any, Dict
 
-from remote.gang.door import PENDING_TIMEOUT, HubDoor, bind_address, listen_socket, raise_nofile
+from remote.gang.door import PENDING_TIMEOUT, HubDoor, bind_address, listen_socket, member_ips, raise_nofile
 from remote.gang.wire import _Chan, _lines, _mac, _read_line, _same
 
 NOISY = ("bad-line", "busy", "accept-error")  # strangers' events: counted, the first 20 of each kept
@@ -53,13 +55,14 @@ NOISY = ("bad-line", "busy", "accept-error")  # strangers' events: counted, the 
 
 class GangWatch(object):
     def __init__(self, rank, hosts, hub, port, secret, stop, gang_id="", interval=2.0, silence=20.0,
-                 join_timeout=30.0, on_event=None, bind=None, peer=None, hello_timeout=PENDING_TIMEOUT):
+                 join_timeout=30.0, on_event=None, bind=None, peer=None, hello_timeout=PENDING_TIMEOUT, addrs=None):
         if len(secret) < 16:
             raise ValueError("the gang secret must be at least 16 bytes")
         self.rank, self.hosts, self.host = rank, list(hosts), hosts[rank]
         self.hub, self.port, self.secret, self.gang_id = hub, int(port), secret, gang_id
         self.stop_cb, self.on_event, self.bind, self.peer = stop, on_event, bind, peer
         self.hello_timeout = float(hello_timeout)
+        self.addrs = list(addrs or [])  # the gang addresses, rank order: the hub admits its members' apart
         self.interval, self.silence, self.join_timeout = float(interval), float(silence), float(join_timeout)
         self.lock = threading.Lock()
         self.events = []
@@ -72,6 +75,7 @@ class GangWatch(object):
         self.t0 = time.monotonic()
         self._threads = []
         self._listener = None
+        self._member_ips = set()  # the members' IPs from ``addrs`` (the hub's door admits them apart)
         # hub: rank -> {"state": joining|running|done|failed|lost, "last": monotonic, "chan": _Chan|None}
         self.members: Dict[int, Dict[str, Any]] = dict(
             (r, {"state": "joining", "last": self.t0, "chan": None}) for r in range(1, len(hosts)))
@@ -132,7 +136,8 @@ class GangWatch(object):
                                   "route to %s shows one: the gang watch listens nowhere else" % (self.hub, self.peer))
                 self._listener = listen_socket(ip, self.port)
                 self.port = self._listener.getsockname()[1]
-                extra["address"] = ip
+                self._member_ips = member_ips(self.addrs[1:])
+                extra["address"], extra["members"] = ip, sorted(self._member_ips)
                 self._spawn(self._accept_loop)
             self._spawn(self._hub_ticker)
         else:
@@ -198,7 +203,7 @@ class GangWatch(object):
 
     def _accept_loop(self):
         HubDoor(self._listener, self.secret, self.gang_id, self.members, self.done, self.event,
-                lambda *a: self._spawn(self._hub_session, *a), self.hello_timeout).run()
+                lambda *a: self._spawn(self._hub_session, *a), self.hello_timeout, members=self._member_ips).run()
 
     def _hub_session(self, sock, ip, rank, session, buf):
         chan = _Chan(sock, self.secret, session, "h", "m")
@@ -373,7 +378,7 @@ def _run(spec):
     w = GangWatch(int(spec["rank"]), spec["hosts"], spec["hub"], int(spec["port"]), bytes.fromhex(spec["secret"]),
                   stop, gang_id=spec.get("gang_id", ""), interval=float(spec.get("interval", 2)),
                   silence=float(spec.get("silence", 20)), join_timeout=float(spec.get("join_timeout", 30)),
-                  on_event=emit, bind=spec.get("bind"), peer=spec.get("peer")).start()
+                  on_event=emit, bind=spec.get("bind"), peer=spec.get("peer"), addrs=spec.get("addrs")).start()
     code = proc.wait()
     w.trainer_ended(code)
     w.wait(float(spec.get("linger", 60)))

@@ -15,8 +15,9 @@ is null where the kernel log cannot be read.
 
 Training figures come from the run's log: each new line is matched against run.log_metrics (a name ->
 regex with one group) and the default patterns (loss, lr, tok_s, step in ``key value``, ``key=value``
-and ``key: value`` forms; ``step 10/500`` also gives ``total``); a line that is a JSON object gives its
-numeric fields. The values of one step are joined into one ``train`` row::
+and ``key: value`` forms; ``step 10/500`` also gives ``total``; ``nan``, ``inf`` and ``-inf`` are kept as
+such: a diverged run); a line that is a JSON object gives its numeric fields (NaN and Infinity too). The
+values of one step are joined into one ``train`` row::
 
     {"t": 1796186153.3, "kind": "train", "step": 120, "loss": 2.31, "lr": 0.0003, "tok_s": 51234.0}
 
@@ -54,7 +55,9 @@ GPU_FIELDS: Tuple[Tuple[str, str, Any], ...] = (
 )
 BASIC_FIELDS = 11  # index .. temperature.gpu: what every nvidia-smi of the last decade answers
 
-_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+# a number, or what a diverged trainer prints for one (``loss nan``, ``loss inf``: Python's and torch's
+# str of a non-finite float): kept as that float, so that the views show the run diverged
+_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?i:nan|inf(?:inity)?)(?![A-Za-z0-9_]))"
 _SEP = r"(?:\s*[:=]\s*|\s+)"
 DEFAULT_PATTERNS = {
     "loss": r"(?<![A-Za-z0-9_])(?:train[_ ])?loss" + _SEP + _NUM,

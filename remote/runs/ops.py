@@ -65,6 +65,7 @@ if TYPE_CHECKING:
         gloo_ifname: Optional[bool]
         address: str
         peer: Optional[str]
+        addrs: List[str]  # the gang addresses, rank order: rank 0's hub admits its members' apart from strangers
 
 
     class LaunchRequest(TypedDict, total=False):
@@ -603,7 +604,9 @@ def metrics_op(req: MetricsRequest):
                     row = json.loads(raw)
                 except ValueError:
                     continue
-                if isinstance(row, dict) and float(row.get("t") or 0) > since:
+                t = row.get("t") if isinstance(row, dict) else None
+                # a row whose t is no number (a hostile or broken line) is skipped, never the whole op
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and t > since:
                     rows.append(row)
     except OSError:
         pass

@@ -176,7 +176,8 @@ def _start_gang_watch(run_dir, spec, proc, meta, notifier=None):
                       stop_gang, gang_id=meta.get("id") or "", interval=float(gang.get("interval") or 2),
                       silence=float(gang.get("silence") or 20), join_timeout=float(gang.get("join_timeout") or 30),
                       on_event=lambda ev: _on_gang_event(run_dir, box, notifier, ev),
-                      peer=gang.get("peer"))  # rank 0 listens on its gang address only (or toward the peer)
+                      peer=gang.get("peer"),  # rank 0 listens on its gang address only (or toward the peer)
+                      addrs=gang.get("addrs"))  # ... and admits its members' addresses apart from strangers
     box.append(watch)
     try:
         watch.start()
