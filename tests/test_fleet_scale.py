@@ -17,6 +17,7 @@ import pytest
 from orchestrator import hosts as hosts_mod
 from orchestrator.config.models import load_inventory
 from orchestrator.hosts import HostSession
+from orchestrator.steps.gang import JOIN_BASE_S, join_limit
 
 
 def _local_session(tmp_path: Path, n: int) -> HostSession:
@@ -65,6 +66,16 @@ def test_connection_set_ups_are_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     assert 1 < most[0] <= hosts_mod.PARALLEL, most[0]
 
 
+def test_the_hubs_join_limit_covers_every_wave_of_set_ups() -> None:
+    """A hub never gives up on a member dfo has not started: its join limit is JOIN_BASE_S after the last
+    wave of connection set-ups (PARALLEL at a time, each bounded by connect_timeout + 10 s)."""
+    p = hosts_mod.PARALLEL
+    assert join_limit(1, 10) == join_limit(p, 10) == JOIN_BASE_S
+    assert join_limit(p + 1, 10) == JOIN_BASE_S + 20
+    assert join_limit(256, 10) == JOIN_BASE_S + (256 // p - 1) * 20
+    assert join_limit(256, 3) < join_limit(256, 10)
+
+
 # --------------------------------------------------------------------------- a gang of 20 on the testbed
 
 GANG = 20
@@ -104,6 +115,9 @@ def test_a_gang_past_16_nodes_launches_with_the_default_wait(make_testbed: Any, 
     for n in tb.nodes:
         mine = [ln for ln in t.stdout.splitlines() if ln.startswith(f"[{n.name}] ")]
         assert mine and mine[0].startswith(f"[{n.name}] rank=") and mine[-1] == f"[{n.name}] step 34", (n.name, mine)
+    # the hub's join limit scales with the fleet: two waves of set-ups (20 > PARALLEL) -> 30 + 1 * (3 + 10) s
+    meta = json.loads(tb.node_exec(names[0], f"cat /workspace/.dfo/runs/{run}/meta.json").stdout)
+    assert meta["gang"]["join_timeout"] == join_limit(GANG, 3) == 43.0, meta["gang"]
     st = dfo(inv, "status", "-H", "testbed", run, "--json", timeout=120)
     assert json.loads(st.stdout)["gang"]["state"] == "succeeded", st.stdout[-3000:]
     print(f"20-node gang launched and ended in {took:.1f}s")

@@ -24,6 +24,20 @@ from .runs import render_command
 WATCH_PORT_OFFSET = 1  # the gang watch's hub listens on rdzv_port + 1 on rank 0
 
 
+JOIN_BASE_S = 30.0  # how long a hub waits for a member to join once every member has been started
+
+
+def join_limit(nodes: int, connect_timeout: float) -> float:
+    """Seconds rank 0's hub waits for a member's first join: JOIN_BASE_S after the last member can have been
+    started. dfo starts every node of a gang at once, with at most hosts.PARALLEL connection set-ups at a time,
+    each bounded by connect_timeout + 10 s (Transport.establish): a hub never gives up on a member that dfo
+    has not started yet, however many nodes (issue 35)."""
+    from ..hosts import PARALLEL
+
+    waves = -(-max(nodes, 1) // PARALLEL)
+    return JOIN_BASE_S + (waves - 1) * (float(connect_timeout) + 10.0) if nodes > PARALLEL else JOIN_BASE_S
+
+
 @dataclass
 class NodePlan:
     """What one node of the gang runs."""

@@ -349,7 +349,8 @@ def _start(req, run_id, run_dir, uploads):
     gang = req.get("gang")
     if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
         meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),
-                        "hub": gang.get("hub"), "port": gang.get("port"), "run": run_id}
+                        "hub": gang.get("hub"), "port": gang.get("port"), "run": run_id,
+                        "join_timeout": gang.get("join_timeout")}  # what the hub waits for a first join
     if isinstance(req.get("metrics"), dict):
         meta["metrics"] = req["metrics"]
     notify = req.get("notify") if isinstance(req.get("notify"), dict) else None
