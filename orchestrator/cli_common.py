@@ -177,18 +177,39 @@ def emit(
     return max(shown, exit_code_of(outcomes))
 
 
+def fleet_summary(command: str, outcomes: list[Outcome[Any]]) -> None:
+    """The end of a command over several hosts, on stderr, after each host's own result: how many hosts, and
+    each exit code with its hosts (a host that did not answer named beside what kept it out)."""
+    if len(outcomes) < 2:
+        return
+    by: dict[int, list[str]] = {}
+    for o in outcomes:
+        by.setdefault(o.exit_code, []).append(o.host)
+    parts = []
+    for code, names in sorted(by.items()):
+        what = "ok" if code == 0 else f"exit {code}"
+        shown = ", ".join(clean(h) for h in names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        parts.append(f"{what}: {len(names)} ({shown})" if code else f"{what}: {len(names)}")
+    sys.stderr.write(f"dfo: {command}: {len(outcomes)} hosts; " + "; ".join(parts) + "\n")
+    sys.stderr.flush()
+
+
 def each_and_emit(
     s: HostSession,
     fn: Callable[[Any], Any],
     as_json: bool,
     to_json: Callable[[Any], dict[str, Any]],
     render: Callable[[str, Any], None],
+    command: str = "",
 ) -> int:
     """Run ``fn(conn)`` on every host of ``s`` in parallel. Human output: each host's result printed
     as soon as that host is done (a slow or dead host holds nobody back); --json: one document at
-    the end, hosts in -H order. Returns the highest exit code."""
+    the end, hosts in -H order; ``command``: its name, for the summary line after several hosts. Returns the
+    highest exit code."""
     shown = [0]
     outcomes = s.each(fn, on_done=None if as_json else (lambda o: shown.append(show_outcome(o, render))))
     if as_json:
         print_json(hosts_json(outcomes, to_json))
+    elif command:
+        fleet_summary(command, outcomes)
     return max(max(shown), exit_code_of(outcomes))

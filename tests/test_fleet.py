@@ -186,7 +186,7 @@ def _xfer_job(tb: Any, tmp_path: Path, what: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("command", ["verify-env", "sync-data", "stage-model"])
+@pytest.mark.parametrize("command", ["verify-env", "sync-data", "stage-model", "status"])
 def test_a_fast_hosts_result_prints_while_a_dead_host_still_hangs(testbed2, silent: SilentHost, tmp_path: Path,
                                                                   command: str) -> None:  # type: ignore[no-untyped-def]
     """-H dead,node-1: node-1's result is on the screen while dfo still waits on the silent host (its
@@ -198,7 +198,7 @@ def test_a_fast_hosts_result_prints_while_a_dead_host_still_hangs(testbed2, sile
     if command != "verify-env":
         extra = ["-j", str(_xfer_job(testbed2, tmp_path, "data" if command == "sync-data" else "model"))]
     w = Watched(argv(inv, command, "-H", "dead", "-H", node.name, *extra), env_for(testbed2), silent.held)
-    fast_line = f"{node.name}: ok" if command == "verify-env" else f"{node.name}: {command}"
+    fast_line = {"verify-env": f"{node.name}: ok", "status": node.name}.get(command, f"{node.name}: {command}")
     w.wait_for("out", fast_line)
     silent.hang_up()  # the dead host never answers; dfo stops waiting on it when the listener hangs up
     rc = w.wait()
@@ -209,6 +209,8 @@ def test_a_fast_hosts_result_prints_while_a_dead_host_still_hangs(testbed2, sile
     assert dead_still_held, f"node-1's result came only after dfo gave up on the dead host:\n{out}\n{err}"
     assert silent.events[:2] == ["accept", "close"]  # dfo did connect there, and let go in the end
     assert "Traceback" not in err
+    if command in ("verify-env", "status"):  # the summary after every host's own result
+        assert f"dfo: {command}: 2 hosts; ok: 1; exit 4: 1 (dead)" in err, err
 
 
 def test_provision_prints_each_hosts_summary_as_it_is_done(testbed2, silent: SilentHost, tmp_path: Path

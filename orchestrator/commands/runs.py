@@ -9,10 +9,12 @@ from typing import Any
 import click
 
 from ..cli_common import (
+    Outcome,
     console,
     emit,
     err_console,
     exit_code_of,
+    fleet_summary,
     hosts_json,
     hosts_option,
     job_option,
@@ -319,25 +321,31 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
             r.cost = cost(r, price)
         return runs
 
+    record: dict[str, Any] = {}  # the generation record, read once, when a host's run first needs it (-j)
+    shown = [0]
+
+    def arrived(o: Outcome[list[steps.RunInfo]]) -> None:
+        """Each host's runs as that host answers (a slow or hung host holds back nobody's)."""
+        if loaded is not None and o.value:
+            _resumed_steps(loaded, o.value, record)
+        if not as_json:
+            shown.append(show_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=run is not None,
+                                                                          job_path=job_path)))
+
     with sess:
-        outcomes = sess.each(one)
-    if loaded is not None:
-        _resumed_steps(loaded, [r for o in outcomes for r in (o.value or [])])
+        outcomes = sess.each(one, on_done=arrived)
     gang = gang_summary(outcomes) if run is not None else None
     to_json = lambda runs: steps.StatusReport(runs=[r.brief() for r in runs]).model_dump()  # noqa: E731
-    if gang is None:
-        return emit(outcomes, as_json, to_json,
-                    lambda host, runs: render_status(ctx, host, runs, detail=run is not None, job_path=job_path))
     if as_json:
-        print_json({**hosts_json(outcomes, to_json), "gang": gang})
+        print_json({**hosts_json(outcomes, to_json), **({"gang": gang} if gang is not None else {})})
         return exit_code_of(outcomes)
-    shown = [show_outcome(o, lambda host, runs: render_status(ctx, host, runs, detail=True, job_path=job_path))
-             for o in outcomes]
-    console.print(gang_line(gang), highlight=False, soft_wrap=True)
-    return max([*shown, exit_code_of(outcomes)])
+    if gang is not None:
+        console.print(gang_line(gang), highlight=False, soft_wrap=True)
+    fleet_summary("status", outcomes)
+    return max(max(shown), exit_code_of(outcomes))
 
 
-def _resumed_steps(loaded: LoadedJob, runs: list[steps.RunInfo]) -> None:
+def _resumed_steps(loaded: LoadedJob, runs: list[steps.RunInfo], record: dict[str, Any]) -> None:
     """A run's meta.json holds its restarts as they stood at its launch, before the trainer said where it
     resumed; the watcher notes that step in the generation record since: with -j, status shows it from
     there (one GET; an unreadable record leaves the runs as the nodes told them)."""
@@ -347,10 +355,12 @@ def _resumed_steps(loaded: LoadedJob, runs: list[steps.RunInfo]) -> None:
         return
     from ..steps.generation import place  # S3's client: only for a run that recovers
 
-    try:
-        doc, _ = place(loaded).read()
-    except DfoError:
-        return
+    if "doc" not in record:  # one GET for the whole command, whatever the number of hosts
+        try:
+            record["doc"], _ = place(loaded).read()
+        except DfoError:
+            record["doc"] = None
+    doc = record["doc"]
     noted = {x.get("generation"): x.get("resumed_step") for x in (doc or {}).get("restarts") or []}
     for r in todo:
         g = r.generation or {}

@@ -121,7 +121,7 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
         return report
 
     with session(ctx, hosts) as s:
-        return each_and_emit(s, one, as_json, VerifyReport.model_dump, render)
+        return each_and_emit(s, one, as_json, VerifyReport.model_dump, render, command="verify-env")
 
 
 COMMANDS = [verify_env_cmd]
