@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -459,3 +460,50 @@ def test_each_reports_hosts_in_the_order_they_finish_and_never_hangs(tmp_path: P
     assert [o.host for o in outs] == ["slow", "fast", "dies"]  # the list keeps -H order
     assert seen.index(("fast", True)) < seen.index(("slow", True))
     assert ("dies", False) in seen and outs[2].exit_code == 1 and outs[0].value == "slow"
+
+
+def test_top_shows_each_hosts_row_while_another_host_hangs(testbed2, silent: SilentHost, tmp_path: Path
+                                                            ) -> None:  # type: ignore[no-untyped-def]
+    """The live view (a terminal: a pty here) refreshes each host on its own: node-1's row is on the screen
+    while the silent host still holds dfo's connection; that host's row says it is waiting."""
+    import pty
+
+    node = testbed2.nodes[0]
+    inv = fleet_inventory(testbed2, tmp_path, connect_timeout=120, dead={"host": "127.0.0.1", "port": silent.port})
+    def answered(raw: bytes) -> bool:
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode(errors="replace"))
+        return any(ln.startswith(node.name + " ") and "waiting" not in ln for ln in text.splitlines())
+
+    leader, follower = pty.openpty()
+    env = dict(env_for(testbed2), TERM="xterm", COLUMNS="200", LINES="50")
+    p = subprocess.Popen(argv(inv, "top", "-H", "dead", "-H", node.name, "--every", "1"), stdin=follower,
+                         stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            import select as _select
+
+            if _select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:
+                    break
+            if answered(seen):
+                break
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+        # node-1's row says what node-1 answered (its view, or its own error: no run there) ...
+        assert answered(seen), text[-3000:]
+        # ... while dfo still waits on the silent host, whose row says so
+        assert silent.held(), "dfo no longer waits on the silent host: the test proves nothing"
+        assert any(ln.startswith("dead ") and "waiting for its first answer" in ln for ln in text.splitlines())
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        silent.hang_up()
+        os.close(leader)

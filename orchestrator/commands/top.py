@@ -4,6 +4,7 @@ figures, step rate, ETA, cost), from the sampler's metrics.jsonl (remote/runs/me
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
@@ -114,15 +115,31 @@ def top_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_pat
             return code
         from rich.live import Live
 
-        docs, code = poll()
+        # each host's row changes as that host answers: a slow or hung host holds back no other row (it keeps
+        # its last view, or "waiting" until its first answer)
+        docs = {h: {"error": {"message": "waiting for its first answer"}} for h in sess.names}
+        codes = {h: 0 for h in sess.names}
+        lock, stop = threading.Lock(), threading.Event()
+
+        def refresh(host: str) -> None:  # each host on its own clock, in its own thread
+            while not stop.is_set():
+                o = sess.each(one, names=[host])[0]
+                with lock:
+                    docs[host], codes[host] = hosts_json([o], lambda d: d)["hosts"][host], o.exit_code
+                stop.wait(every)
+
+        for h in sess.names:
+            threading.Thread(target=refresh, args=(h,), daemon=True, name=f"dfo-top-{h}").start()
         try:
             with Live(render(docs), console=console, refresh_per_second=1, screen=False) as live:
                 while True:
-                    time.sleep(every)
-                    docs, code = poll()
-                    live.update(render(docs))
+                    time.sleep(1.0)
+                    with lock:
+                        view = render(dict(docs))
+                    live.update(view)
         except KeyboardInterrupt:
-            return code
+            stop.set()
+            return max(codes.values(), default=0)
 
 
 COMMANDS = [top_cmd]
