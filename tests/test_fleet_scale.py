@@ -121,3 +121,18 @@ def test_a_gang_past_16_nodes_launches_with_the_default_wait(make_testbed: Any, 
     st = dfo(inv, "status", "-H", "testbed", run, "--json", timeout=120)
     assert json.loads(st.stdout)["gang"]["state"] == "succeeded", st.stdout[-3000:]
     print(f"20-node gang launched and ended in {took:.1f}s")
+
+    # tail is live on every host: relaunched (12 steps, no watch window), followed at once; each host's first
+    # line comes while every run still runs (on the old rule hosts 17-20 showed theirs once the first 16 ended)
+    job.write_text(job.read_text().replace("STEPS: '35'", "STEPS: '12'"))
+    assert "STEPS: '12'" in job.read_text()
+    r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--wait", "0", "--json", timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run2 = json.loads(r.stdout)["hosts"][names[0]]["run"]
+    t = dfo(inv, "tail", "-H", "testbed", run2, "-n", "+1", timeout=240)
+    assert t.returncode == 0, (t.stdout + t.stderr)[-4000:]
+    lines = t.stdout.splitlines()
+    first = {n: next(i for i, ln in enumerate(lines) if ln.startswith(f"[{n}] ")) for n in names}
+    ended = min(i for i, ln in enumerate(lines) if ln.endswith("] step 11"))
+    late = [n for n in names if first[n] > ended]
+    assert not late, f"{late}: first line only after a run had ended"
