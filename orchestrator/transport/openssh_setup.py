@@ -221,11 +221,103 @@ def resolution_config(alias: str, explicit: str | None, policy: list[str], defau
 
 
 def ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
-    """``ssh -G``: the settings ssh would use for ``alias`` (every keyword lower-case, its values)."""
+    """``ssh -G``: the settings ssh would use for ``alias`` (every keyword lower-case, its values). Its answer
+    is kept in dfo's ssh folder, keyed on everything ssh read to give it (``_g_inputs``), and used again while
+    none of that changed (at most G_CACHE_S): a warm command starts no `ssh -G` (issue 35)."""
+    import json
+
+    inputs = None if os.environ.get("DFO_SSH_G_CACHE") == "0" else _g_inputs(ssh, config)
+    cached: Path | None = None
+    if inputs is not None:
+        key = hashlib.sha256("\0".join([inputs, alias, *options]).encode()).hexdigest()[:32]
+        cached = state_dir() / "g" / f"{key}.json"
+        try:
+            if time.time() - cached.stat().st_mtime < G_CACHE_S:
+                doc = json.loads(cached.read_text())
+                if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):
+                    return {str(k): [str(x) for x in v] for k, v in doc.items()}
+        except (OSError, ValueError):
+            pass
+    out = _ssh_g(ssh, config, alias, options, where)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(mode=0o700, exist_ok=True)
+            if not write_private(cached, json.dumps(out)):
+                os.utime(cached)  # the same answer again: fresh for another G_CACHE_S
+        except OSError:
+            pass  # no cache: the next command asks ssh again
+    return out
+
+
+def _ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
     argv = [ssh, "-G", "-F", str(config)]
     for o in options:
         argv += ["-o", o]
     argv += ["--", alias]
+G_CACHE_S = 3600.0  # a cached `ssh -G` answer is used for at most this long, even with its inputs unchanged
+_G_ENV = ("HOME", "USER", "LOGNAME", "SSH_AUTH_SOCK", "PATH")  # what ssh -G reads of the environment
+_INCLUDE = re.compile(r"^\s*include\s+(.+)$", re.I | re.M)
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_MATCH_EXEC = re.compile(r"^\s*match\b.*\b(exec|localnetwork)\b", re.I | re.M)  # answers that vary by themselves
+
+
+def _g_inputs(ssh: str, config: Path) -> str | None:
+    """What `ssh -G` reads, as one text (its hash keys the cache), or None where its answer cannot be
+    cached: a ``Match exec`` (runs a command: anything may change its answer) or a file that cannot be
+    read. The files: dfo's resolution config (named by its content) and every file it includes, Include by
+    Include (globs, relative to ~/.ssh or /etc/ssh as ssh reads them), each by path, size, mtime and inode,
+    plus each folder a glob reads (a file added there changes its mtime); ssh's binary; the environment
+    ssh reads (HOME, USER, the agent's socket, and every ${VAR} the files name); this machine's name and
+    user (%l, %u)."""
+    import glob
+
+    parts = [f"ssh {ssh}", f"host {socket.gethostname()} uid {os.getuid()}"]
+    try:
+        st = os.stat(ssh)
+        parts.append(f"bin {st.st_size} {st.st_mtime_ns}")
+    except OSError:
+        return None
+    seen: set[str] = set()
+    todo = [(str(config), Path.home() / ".ssh")]
+    names: set[str] = set(_G_ENV)
+    while todo:
+        path, rel = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            st = os.stat(path)
+            text = Path(path).read_text(errors="replace")
+        except FileNotFoundError:
+            parts.append(f"missing {path}")
+            continue
+        except OSError:
+            return None
+        parts.append(f"file {path} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
+        if _MATCH_EXEC.search(text):  # a command's answer (or the network's) can change with nothing here
+            return None
+        names.update(_ENV_REF.findall(text))
+        for m in _INCLUDE.finditer(text):
+            for word in shlex.split(m.group(1), comments=True):
+                word = os.path.expanduser(word.strip('"'))
+                if not os.path.isabs(word):
+                    word = str(rel / word)
+                if any(c in word for c in "*?["):
+                    folder = os.path.dirname(word)
+                    try:
+                        parts.append(f"dir {folder} {os.stat(folder).st_mtime_ns}")
+                    except OSError:
+                        parts.append(f"missing {folder}")
+                    matched = sorted(glob.glob(word))
+                else:
+                    matched = [word]
+                # a file the user's config includes is read relative to ~/.ssh, the system's to /etc/ssh
+                base = Path("/etc/ssh") if word.startswith("/etc/ssh") or str(rel) == "/etc/ssh" else rel
+                todo += [(f, base) for f in matched]
+    parts += [f"env {k}={os.environ.get(k, '')}" for k in sorted(names)]
+    return "\n".join(parts)
+
+
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=G_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
