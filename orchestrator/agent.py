@@ -61,6 +61,7 @@ class NodeModules:
     probe: str = "remote.env.probe"              # verify-env: python, OS, GPUs, disk (read only)
     pkgcheck: str = "remote.env.pkgcheck"        # verify-env: the job's pins against the venv (its python)
     gpu_preflight: str = "remote.gpu.preflight"  # verify-env --gpu (the venv's python: torch, triton)
+    gpu_health: str = "remote.gpu.health"        # verify-env --health, run.health (the venv's python: torch)
     provision: str = "remote.env.provision"      # provision: the venv, installs, each install verified
     sync: str = "remote.transfer.sync"           # sync-data, and launch's restore of outputs
     stage: str = "remote.transfer.stage"         # stage-model
@@ -75,7 +76,7 @@ NODE = NodeModules()
 # entry modules of the standard library and remote/ alone, called often (status, tail, stop, sync-code, sync-data,
 # verify-env, pull): they run with python's -S (no site module: about 9 ms less on the node each call); a child they
 # start gets no -S
-SITE_FREE = frozenset({NODE.runs, NODE.push, NODE.sync, NODE.probe, NODE.pull})
+SITE_FREE = frozenset({NODE.runs, NODE.push, NODE.sync, NODE.probe, NODE.pull, NODE.exec})
 NEED_UPLOAD = 97
 PY_MISSING = 127
 PARTS = ("core", "vendor")  # in the order they are installed; the node marks each: D/.complete, D/.vendor
@@ -157,6 +158,17 @@ def agent_dir_expr(digest: str) -> str:
     return f'"$HOME/.cache/dfo/agent/{digest}"'
 
 
+AGENT_NOTE = "@@DFO-AGENT@@ "  # remote/_boot.py: dfo's code went to a place other than the home's cache
+
+
+def workspaces_expr(workspace: str | None) -> list[str]:
+    """Shell words of the workspaces whose ``.dfo/agent`` may hold dfo's node code, after the home's cache and
+    before ``/tmp/dfo-agent-UID`` (remote/_boot.py): the one given (the job's or the host's), then the node's
+    defaults, /workspace and ~/workspace (a scratch disk beside a full or read-only home)."""
+    words = [nodepath.shell(workspace)] if workspace else []
+    return list(dict.fromkeys([*words, "/workspace", '"$HOME"/workspace']))
+
+
 # --------------------------------------------------------------------------- which nodes hold which parts
 
 _KNOWN: dict[str, set[str]] = {}  # node key -> parts of this bundle it holds, as this process saw or read
@@ -209,29 +221,37 @@ def _boot_text() -> str:
 
 
 def module_command(module: str, python: str, env: dict[str, str] | None = None, args: list[str] | None = None,
-                   flags: str = "", carry: list[tuple[str, str, int]] | None = None, bytecode: bool = True) -> str:
+                   flags: str = "", carry: list[tuple[str, str, int]] | None = None, bytecode: bool = True,
+                   workspace: str | None = None) -> str:
     """``flags``: python's own options, before -m (``-S``: a module that needs no site-packages).
     ``carry``: (part, sha256, size) of the parts whose bytes come first on stdin (remote/_boot.py
     installs the missing ones, then runs the module); without it the parts' markers are checked
     and a node that lacks one exits NEED_UPLOAD. ``bytecode``: the module writes the bytecode of dfo's
     node code beside it (remote/__init__.py); False for an interpreter that imports the job's packages
-    (a venv's), which must never get bytecode written into its site-packages."""
+    (a venv's), which must never get bytecode written into its site-packages. ``workspace``: the job's (or
+    the host's), a place for dfo's code when the home's cache cannot take it (workspaces_expr); the plain
+    call looks in the home's cache first (one test when it is there), then in the same places _boot.py
+    may have used: a workspace's ``.dfo`` and the /tmp folder only when they are this user's and no symlink."""
     digest = bundle_digest()
     pairs = {"DFO_NODE_PYC": "1"} if bytecode else {}
     pairs.update(env or {})
     envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in pairs.items())
     argv = " ".join(shlex.quote(a) for a in (args or []))
     py = nodepath.shell(python)
+    places = workspaces_expr(workspace)
     if carry:
         specs = ",".join(f"{part}:{sha}:{size}" for part, sha, size in carry)
         return (
-            f'D={agent_dir_expr(digest)}; command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; '
-            f'mkdir -p "$HOME/.cache/dfo/agent" && cd "$HOME/.cache/dfo/agent" && PYTHONDONTWRITEBYTECODE=1 {envs} '
-            f'exec {py} {flags} -c {shlex.quote(_boot_text())} "$D" {specs} {module} {argv}'
+            f'command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; cd / && PYTHONDONTWRITEBYTECODE=1 {envs} '
+            f'exec {py} {flags} -c {shlex.quote(_boot_text())} {digest} "$HOME/.cache/dfo/agent" {" ".join(places)} '
+            f'-- {specs} {module} {argv}'
         )
     checks = " && ".join(f'[ -f "$D/{MARKERS[p]}" ]' for p in parts_for(module))
+    elsewhere = "".join(f' || {{ B={w}/.dfo; D="$B/agent/{digest}"; [ -O "$B" ] && [ ! -L "$B" ] && {checks}; }}'
+                        for w in places)
+    elsewhere += f' || {{ B="/tmp/dfo-agent-$(id -u)"; D="$B/{digest}"; [ -O "$B" ] && [ ! -L "$B" ] && {checks}; }}'
     return (
-        f'D={agent_dir_expr(digest)}; {checks} || exit {NEED_UPLOAD}; '
+        f'D={agent_dir_expr(digest)}; {{ {checks}; }}{elsewhere} || exit {NEED_UPLOAD}; '
         f'command -v {py} >/dev/null 2>&1 || exit {PY_MISSING}; '
         f'cd "$D" && PYTHONPATH="$D" PYTHONDONTWRITEBYTECODE=1 {envs} '
         f'exec {py} {flags} {launch(module)} {argv}'
@@ -359,6 +379,8 @@ def run_module(
         """Dispatch an event; True for the result frame, the one line the connection keeps."""
         frame = split_frame(line)
         if frame is None:
+            if line.startswith(AGENT_NOTE):
+                _placed(conn, line[len(AGENT_NOTE):])
             return False
         if frame[0] == "result":
             return True
@@ -371,9 +393,13 @@ def run_module(
                 on_event(ev)
         return False
 
+    given = (request or {}).get("workspace")
+    workspace = given if isinstance(given, str) and given else getattr(conn.host, "workspace", None)
+
     def call(parts: list[str]) -> Result:
         specs, blobs = _carried(parts) if parts else ([], b"")
-        cmd = module_command(module, py, env, args, flags=flags, carry=specs, bytecode=python is None)
+        cmd = module_command(module, py, env, args, flags=flags, carry=specs, bytecode=python is None,
+                             workspace=workspace)
         return conn.run(cmd, stdin=stdin_for(blobs), timeout=timeout, on_line=on_line)
 
     known = known_parts(conn)
@@ -391,6 +417,22 @@ def run_module(
     if RESULT_PREFIX not in res.stdout and "SyntaxError" in res.stderr:
         too_old(conn, py)
     return parse_output(conn, res, module)
+
+
+def _placed(conn: Transport, text: str) -> None:
+    """dfo's code went elsewhere than the node's home cache (remote/_boot.py): said under -v, where and why."""
+    import os
+    import sys
+
+    if not os.environ.get("DFO_VERBOSE"):
+        return
+    try:
+        doc = json.loads(text)
+        why = "; ".join(f"{p}: {w}" for p, w in doc["passed"])
+        line = f"dfo: {conn.name}: dfo's node code is in {doc['where']} ({why})"
+    except (ValueError, KeyError, TypeError):
+        return
+    sys.stderr.write(plain_tail(line, 1000) + "\n")
 
 
 _OLD_PYTHON = re.compile(r"^Python (\d+)\.(\d+)(\S*)", re.M)

@@ -41,6 +41,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "The runs on each host, newest first: id, job, state, started, duration, exit code, last line."),
     "stop": ("runs", "stop_cmd",
              "Stop a run: SIGTERM to its whole process group, then SIGKILL after the grace period."),
+    "submit": ("queue", "submit_cmd",
+               "Queue one run of the job on the node that can start it soonest; prints the run id and where it went."),
+    "queue": ("queue", "queue_cmd",
+              "Each node's run queue: its GPUs, the runs running (with their GPUs) and the runs queued, in order."),
+    "cancel": ("queue", "cancel_cmd",
+               "Take a queued run out of its node's queue; a run that has started is stopped as dfo stop does."),
     "top": ("top", "top_cmd",
             "A live view of a run on every node: GPUs, host, training figures, step rate, ETA, cost."),
     "plot": ("plot", "plot_cmd",
@@ -51,6 +57,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("up", "up_cmd", "The whole job: provision, stage-model, sync-data, launch, tail."),
     "watch": ("watch", "watch_cmd",
               "Watch a running run and recover it: a lost node replaced by a spare, a killed trainer relaunched."),
+    "login": ("login", "login_cmd",
+              "Log in once with your terminal (password, one-time code, passphrase) for dfo's later commands."),
+    "logout": ("login", "logout_cmd", "End each host's shared connection (the one dfo login made, or a command's)."),
     "demo": ("demo", "demo_cmd", "Run dfo's main job end to end on a throwaway node on this machine."),
 }
 
@@ -210,7 +219,9 @@ def _main(argv: list[str] | None) -> None:
         cache = _help_cache(args)
         if cache is None:
             from .transport import openssh_early
+            from .transport.base import raise_nofile
 
+            raise_nofile()  # the soft open-file limit up to what a fleet needs (at most the hard limit)
             openssh_early.start(args)  # the handshake of each host named with -H begins now, beside the imports
         rv = _help(args, cache) if cache is not None else cli.main(args=argv, prog_name="dfo", standalone_mode=False)
     except click.exceptions.Abort:

@@ -9,7 +9,9 @@ import sys
 
 def main() -> None:
     from .transport import openssh_early
+    from .transport.base import raise_nofile
 
+    raise_nofile()  # the soft open-file limit up to what a fleet needs (at most the hard limit): issue 35
     openssh_early.start(sys.argv[1:])
     from .cli import main as cli_main
 

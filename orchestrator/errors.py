@@ -128,8 +128,9 @@ class AuthFailed(HostError):
     """The node refused every key offered, or none could be offered (exit 4). ``reason`` is a key of
     AUTH_HINTS. Its JSON kind stays "unreachable" (the CLI contract), as ConnectionLost's."""
 
-    def __init__(self, message: str, *, reason: str, host: str | None = None, key: str | None = None) -> None:
-        super().__init__(message, host=host, hint=auth_hint(reason, key))
+    def __init__(self, message: str, *, reason: str, host: str | None = None, key: str | None = None,
+                 login: str | None = None) -> None:
+        super().__init__(message, host=host, hint=auth_hint(reason, key, login))
         self.reason = reason
 
 
@@ -145,8 +146,15 @@ AUTH_HINTS: dict[str, str] = {
                      "inventory",
     "refused": "the node refused every key offered: check the user and identity: in the inventory (or "
                "~/.ssh/config), and that the key's .pub is in the node's ~/.ssh/authorized_keys",
+    "second_factor": "run `dfo login -H {host}` once: it asks for it on your terminal (or SSH_ASKPASS) and keeps "
+                     "that connection, which dfo's commands then use with no prompt for ssh_persist (or "
+                     "--persist SECONDS); a ControlMaster of your own ssh_config works too",
 }
+# the OpenSSH transport can also take a passphrase typed once, at dfo login's prompt (paramiko cannot)
+_LOGIN_TOO = {"encrypted_key": "; or `dfo login -H {host}` to type its passphrase once"}
 
 
-def auth_hint(reason: str, key: str | None = None) -> str:
-    return AUTH_HINTS.get(reason, AUTH_HINTS["refused"]).format(key=key or "the key")
+def auth_hint(reason: str, key: str | None = None, login: str | None = None) -> str:
+    """What to do; ``login``: the host's name where `dfo login` is a way in (the OpenSSH transport)."""
+    text = AUTH_HINTS.get(reason, AUTH_HINTS["refused"]) + (_LOGIN_TOO.get(reason, "") if login else "")
+    return text.format(key=key or "the key", host=login or "HOST")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .errors import EXIT_UNEXPECTED, DfoError, HostError
+from .transport.base import resource_error  # here, not when needed: out of descriptors, no module can be read
 
 if TYPE_CHECKING:  # config (pydantic, yaml) and the transports (fabric, paramiko) load when a session opens
     from .config.models import Inventory, ResolvedHost
@@ -173,9 +174,9 @@ class HostSession:
                     _unresolved(exc)
                 return Outcome(name, error=exc)
             except Exception as exc:  # noqa: BLE001 - reported per host, never a traceback
-                err = DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name,
-                               hint="set DFO_DEBUG=1 for a traceback; please report it")
-                err.exit_code = EXIT_UNEXPECTED
+                # out of open files, processes or memory here: the limit and what to do (exit 4), not a bug
+                err = resource_error(exc, name) or DfoError(f"unexpected error: {type(exc).__name__}: {exc}", host=name,
+                                                            hint="set DFO_DEBUG=1 for a traceback; please report it")
                 err.__cause__ = exc
                 return Outcome(name, error=err)
 
@@ -202,7 +203,14 @@ class HostSession:
             done.put(out)
 
         for n in names:
-            threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}").start()
+            try:
+                threading.Thread(target=run, args=(n,), daemon=True, name=f"dfo-{n}").start()
+            except RuntimeError as exc:  # no thread to be had here (the process limit): that host's error
+                err = resource_error(exc, n)
+                if err is None:
+                    raise
+                results[n] = Outcome(n, error=err)
+                done.put(results[n])
         for _ in names:
             while True:
                 try:

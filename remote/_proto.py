@@ -72,6 +72,8 @@ EVENTS = {
     "install": "command: the installer's command line, credentials redacted -- env/installers.py, before it runs",
     # verify-env --gpu
     "check": "gpu: index, name: the check, ok: bool, seconds -- gpu/preflight.py, as each check ends",
+    # verify-env --health, run.health
+    "health": "phase: its name, seconds -- gpu/health.py, as each phase of the gate ends",
     # sync-data, stage-model, launch's restore of outputs (pull makes the same two on the controller)
     "plan": "source, dest, files_total, bytes_total, to_fetch, bytes_to_fetch, skipped -- transfer/sync.py, "
             "transfer/stage.py, before any byte moves",

@@ -194,5 +194,10 @@ def handle(req: ExecRequest):
         os._exit(1)  # nobody to tell
 
 
-if __name__ == "__main__":
+def entry():
+    """``python3 -m remote.exec``, or the controller's ``-S -c`` launch (agent.SITE_FREE): stdlib alone."""
     main(handle)
+
+
+if __name__ == "__main__":
+    entry()

@@ -139,6 +139,8 @@ SLOW: set[str] = {
     "test_node_dies.py::test_a_node_dies_and_the_run_goes_on_without_torch",
     "test_gang.py::test_a_vanished_node_ends_the_others_and_shows_as_lost",
     "test_metrics_node.py::test_a_lost_node_is_reported_by_another_node_of_the_gang",
+    "test_health_gate.py::test_up_and_launch_stop_at_the_gate_and_go_once_it_passes",  # the GPU health gate
+    "test_health_gate.py::test_a_spare_that_fails_the_gate_is_skipped_for_the_next",
     "test_recovery.py::test_a_lost_node_is_replaced_by_a_spare",  # recovery (issue 20): whole stories
     "test_recovery.py::test_a_killed_trainer_is_restarted_and_exit_1_is_not",
     "test_recovery.py::test_a_watcher_killed_mid_recovery_finishes_it_when_started_again",

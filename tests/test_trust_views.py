@@ -366,11 +366,12 @@ def _json_commands() -> set[str]:
             if any("--json" in getattr(p, "opts", ()) for p in load_command(name).params)}
 
 
-def test_every_command_with_json_prints_strict_json(diverged: Diverged) -> None:
+def test_every_command_with_json_prints_strict_json(diverged: Diverged, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each dfo command that has --json, run on the testbed (against the diverged runs where it reads
     runs), prints one document that a strict parser accepts. The commands come from the CLI's own table:
     a new command with --json and no line here fails this test."""
     d = diverged
+    monkeypatch.setenv("XDG_STATE_HOME", str(d.tmp / "state"))  # dfo submit's record of what it sent
     ra = d.runs[A]
     job = str(d.job)
     cases: dict[str, list[str]] = {
@@ -389,6 +390,10 @@ def test_every_command_with_json_prints_strict_json(diverged: Diverged) -> None:
         "launch": ["-H", C, "-j", job, "--json"],
         "stop": ["-H", C, "RUN", "--json"],  # RUN: the one launch started
         "up": ["-H", C, "-j", job, "--no-tail", "--json"],  # /usr is no venv: up stops at provision (exit 3)
+        "submit": ["-H", C, "-j", job, "--json"],  # the queue (docs/queue.md)
+        "queue": ["-H", f"{A},{C}", "--json"],
+        "cancel": ["-H", C, "RUN", "--json"],  # RUN: the one submit queued (stopped, or it had ended)
+        "login": ["--check", "-H", f"{A},{C}", "--json"],  # which hosts have a shared connection (exit 4: none)
     }
     assert _json_commands() == set(cases), "a dfo command with --json has no line in this test: add it"
     started: list[str] = []
@@ -404,6 +409,9 @@ def test_every_command_with_json_prints_strict_json(diverged: Diverged) -> None:
         if name == "launch":
             assert r.returncode == 0, (name, r.stderr)
             started.append(doc["hosts"][C]["run"])
+        if name == "submit":
+            assert r.returncode == 0, (name, r.stderr)
+            started.append(doc["hosts"][C]["runs"][0]["run"])
         if name in ("top", "plot", "report", "status"):  # the diverged runs' nan figures are there, as null
             assert r.returncode == 0 and "null" in r.stdout, (name, r.stdout)
 

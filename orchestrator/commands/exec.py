@@ -11,7 +11,7 @@ import click
 
 from ..cli_common import clean, exit_code_of, hosts_option, json_option, print_json, report_error, session
 from ..hosts import Outcome
-from ..steps.exec import ExecResult, exec_on
+from ..steps.exec import CONTROLLER_MARGIN_S, ExecResult, exec_on
 
 _OUT = threading.Lock()
 
@@ -41,8 +41,12 @@ def _ended(o: Outcome[ExecResult], seconds: float) -> None:
         return
     r = o.value
     assert r is not None
-    if r.timed_out:
-        line = f"dfo: {clean(o.host)}: timed out after {r.seconds:.1f}s: its process group was killed (exit {r.exit})"
+    if r.timed_out and r.unconfirmed:
+        line = (f"dfo: {clean(o.host)}: timed out after {r.given:g}s (--timeout); the node did not confirm the kill "
+                f"within {CONTROLLER_MARGIN_S:g}s more, so dfo ended the call (exit {r.exit})")
+    elif r.timed_out:
+        given = f"{r.given:g}s (--timeout)" if r.given else f"{r.seconds:.1f}s"
+        line = f"dfo: {clean(o.host)}: timed out after {given}: its process group was killed (exit {r.exit})"
     elif r.signal:
         line = f"dfo: {clean(o.host)}: killed by signal {r.signal} (exit {r.exit}) after {r.seconds:.1f}s"
     else:
@@ -65,7 +69,9 @@ def _summary(outcomes: list[Outcome[ExecResult]]) -> None:
 @json_option
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
               help="A host whose command still runs after S seconds gets its command's whole process "
-                   "group killed (SIGTERM, SIGKILL 2 s later); its status is 124, as with timeout(1).")
+                   "group killed (SIGTERM, SIGKILL 2 s later); its status is 124, as with timeout(1). "
+                   "Default: none (a dead link still ends the call). A host whose side does not start "
+                   "within its start_timeout (inventory, 30 s) is unreachable (4), whatever S is.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 @click.pass_context
 def exec_cmd(ctx: click.Context, hosts: tuple[str, ...], as_json: bool, timeout: float | None,
@@ -87,8 +93,9 @@ def exec_cmd(ctx: click.Context, hosts: tuple[str, ...], as_json: bool, timeout:
 
     \b
     Exit code: the highest of the hosts' statuses (the command's own exit status; 124 for
-    a timeout; 128+N for a command killed by signal N; 4 for a host that could not be
-    reached; 3 for a node without python3); 2 for bad usage.
+    a --timeout; 128+N for a command killed by signal N; 4 for a host that could not be
+    reached, or whose side did not start within its start_timeout, or that this machine had
+    no open files, processes or memory left for; 3 for a node without python3); 2 for bad usage.
     """
     starts: dict[str, float] = {}
     t0 = time.monotonic()

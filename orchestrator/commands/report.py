@@ -11,6 +11,7 @@ from ..cli_common import console, emit, hosts_option, job_option, json_option, p
 from ..config.models import load_job
 from ..errors import UsageError
 from ..steps import metrics as sm
+from ..steps.health import brief, brief_text
 from ..steps.runs import RunInfo
 from ..transport.base import Transport
 from .plot import say_note
@@ -33,7 +34,8 @@ def render(host: str, s: dict[str, Any]) -> None:
             ("GPUs", v(s["gpus"])), ("GPU-hours", v(s["gpu_hours"], ".2f")),
             ("mean GPU util", v(s["mean_gpu_util"], ".1f", "%")), ("mean tok/s", v(s["mean_tok_s"], ".1f")),
             ("last step", v(s["last_step"])), ("last loss", v(s["last_loss"])), ("XID errors", v(len(s["xid"]))),
-            ("shipper restarts", v((s["restarts"] or {}).get("shipper", 0))), ("samples", v(s["samples"]))]
+            ("shipper restarts", v((s["restarts"] or {}).get("shipper", 0))), ("samples", v(s["samples"])),
+            ("health gate", brief_text(s["health"], 200) if s.get("health") else "- (none recorded here)")]
     for k, x in rows:
         console.print(f"[bold]{k:>16}[/]  {safe(x)}", highlight=False)
 
@@ -81,7 +83,7 @@ def report_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, from
 
     def one(conn: Transport) -> dict[str, Any]:
         info, rows = sm.fetch(conn, run_workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None)
-        return sm.summary(info, rows, sm.price_of(sess.inventory, conn.host.name))
+        return {**sm.summary(info, rows, sm.price_of(sess.inventory, conn.host.name)), "health": brief(conn.host)}
 
     with sess:
         outcomes = sess.each(one)

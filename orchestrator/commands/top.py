@@ -14,6 +14,7 @@ from ..cli_common import console, exit_code_of, hosts_json, hosts_option, job_op
 from ..config.models import load_job
 from ..errors import UsageError
 from ..steps import metrics as sm
+from ..steps.health import brief, brief_text
 from ..transport.base import Transport
 from .runs_follow import run_workspace
 from .runs_view import state_markup
@@ -39,6 +40,8 @@ def row(host: str, d: dict[str, Any]) -> tuple[str, ...]:
     gpus = "\n".join(safe(sm.gpu_text(g)) for g in d["gpus"]) or "no GPU figures"
     if d.get("xid"):
         gpus += f"\n[red]XID x{d['xid']}[/]"
+    if d.get("health"):  # the GPU health gate's last verdict here (steps/health.py)
+        gpus += f"\n[{'green' if d['health']['ok'] else 'red'}]{safe(brief_text(d['health']))}[/]"
     rate = f"{d['steps_per_s']:.2f} st/s" if d.get("steps_per_s") else "-"
     cost = f"${d['cost']:.2f}" if d.get("cost") is not None else "-"
     return (safe(host), safe(d["run"]), state_markup(d["state"]), _hms(d.get("seconds")), gpus,
@@ -99,7 +102,7 @@ def top_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_pat
     def one(conn: Transport) -> dict[str, Any]:
         info, rows = sm.fetch(conn, run_workspace(conn, loaded), run=run, job=loaded.job.name if loaded else None,
                               since=time.time() - WINDOW_S, max_rows=5000)
-        return sm.view(info, rows, sm.price_of(sess.inventory, conn.host.name))
+        return {**sm.view(info, rows, sm.price_of(sess.inventory, conn.host.name)), "health": brief(conn.host)}
 
     def poll() -> tuple[dict[str, dict[str, Any]], int]:
         outcomes = sess.each(one)

@@ -40,8 +40,8 @@ def render(host: str, r: VerifyReport) -> None:
         ws = f.workspace
         row("workspace", ws.path + (f" (default: {ws.why})" if ws.default else f" (given: {ws.given})"))
     for name, d in f.disk.items():
-        row(f"free {name}",
-            f"{_gib(d.free)} of {_gib(d.total)} at {d.path}" + ("" if d.exists else " (not created yet)"))
+        row(f"free {name}", f"{_gib(d.free)} of {_gib(d.total)} at {d.path}"
+            + ("" if d.exists else " (not created yet)") + (" (not writable)" if d.writable is False else ""))
     if f.nvidia.present:
         row("nvidia",
             f"driver {f.nvidia.driver}, CUDA {f.nvidia.cuda}" + (f" ({f.nvidia.error})" if f.nvidia.error else ""))
@@ -73,11 +73,50 @@ def render(host: str, r: VerifyReport) -> None:
                        "ok" if g.get("triton_ok") else "[red]FAIL[/]",
                        "-" if fla is None else ("ok" if fla else "[red]FAIL[/]"), f"{g.get('seconds', 0):.2f}")
         console.print(gt)
+    if r.health:
+        render_health(r.health)
     for w in r.warnings:
         extra = f" (override: {w.reason})" if w.reason and w.reason not in w.message else ""
         console.print(f"[yellow]warning[/]: {safe(w.message + extra)}", soft_wrap=True)
     for p in r.problems:
         console.print(f"[red]problem[/]: {safe(p.message)}", soft_wrap=True)
+
+
+_VERDICT = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "warn": "[yellow]warn[/]", "info": "info",
+            "skip": "[dim]skip[/]"}
+
+
+def render_health(data: dict[str, Any]) -> None:
+    """The gate's figures beside what they should be, then every check that did not pass."""
+    from ..steps.health import verdict_line
+
+    checks = [c for c in data.get("checks") or [] if isinstance(c, dict)]
+    ok = bool(data.get("ok"))
+    console.print(f"[bold]health[/]: {'[green]' if ok else '[red]'}{safe(verdict_line(data))}[/]", soft_wrap=True)
+    figs = [c for c in checks if c.get("unit") and isinstance(c.get("value"), int | float)]
+
+    def num(v: Any, unit: Any = None) -> str:
+        if not isinstance(v, int | float):
+            return "-"
+        return human_bytes(v) if unit == "bytes" else f"{v:.4g}"
+    if figs:
+        t = Table("gpu", "figure", "value", "passes at", "expected", "verdict", box=None, pad_edge=False,
+                  header_style="bold")
+        for c in figs:
+            unit = c.get("unit")
+            value = num(c.get("value"), unit) + ("" if unit == "bytes" else f" {unit}")
+            bound = (("<= " if c.get("bound") == "max" else ">= ") + num(c.get("threshold"), unit)
+                     if c.get("threshold") is not None else "-")
+            t.add_row(safe("all" if c.get("gpu") is None else c.get("gpu")), safe(c.get("check")), safe(value),
+                      safe(bound), safe(num(c.get("expected"), unit)),
+                      _VERDICT.get(str(c.get("verdict")), safe(c.get("verdict"))))
+        console.print(t)
+    passed = [c for c in checks if c.get("verdict") == "pass"]
+    for c in checks:
+        if c.get("verdict") in ("fail", "warn") or (c.get("verdict") != "pass" and c not in figs):
+            console.print(f"  {_VERDICT.get(str(c.get('verdict')), '?')} {safe(c.get('message'))}", soft_wrap=True)
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in (data.get("phases") or {}).items() if isinstance(v, int | float))
+    console.print(f"  [dim]{len(passed)} of {len(checks)} checks passed; {safe(phases)}[/]", soft_wrap=True)
 
 
 @click.command("verify-env")
@@ -86,9 +125,15 @@ def render(host: str, r: VerifyReport) -> None:
 @click.option("--gpu", is_flag=True, help="Also run the GPU preflight with the job's interpreter: each GPU seen by "
               "torch, its arch in the torch build, a Triton kernel, and an FLA Gated DeltaNet op when FLA is "
               "installed.")
+@click.option("--health", is_flag=True, help="Also run the GPU health gate with the job's interpreter (about a "
+              "minute for 8 GPUs): other processes and memory on each GPU, ECC, XIDs, reset state, power limit, "
+              "throttling under load, the PCIe link, and bf16 matmul, memory copy, host<->device and NCCL "
+              "all-reduce figures beside what the GPU model should give (docs/gpu.md). run.health's thresholds "
+              "apply when -j has them.")
 @json_option
 @click.pass_context
-def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | None, gpu: bool, as_json: bool) -> int:
+def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | None, gpu: bool, as_json: bool,
+                   health: bool = False) -> int:
     """Probe nodes and check the job's environment; change nothing.
 
     Reports OS, kernel, CPUs, memory, python3, free space of the workspace and of /dev/shm,
@@ -108,12 +153,12 @@ def verify_env_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str | N
     \b
     Exit codes: 0 no problem; 2 bad usage or job file; 3 a problem remains (a pin, a broken
     requirement, a missing venv, a path the user cannot write, a known-bad combination, a GPU
-    check, python3 older than 3.8); 4 host unreachable or login refused.
+    check, a failed health check, python3 older than 3.8); 4 host unreachable or login refused.
     """
     job = load_job(job_path).job if job_path else None
 
     def one(conn: Any) -> VerifyReport:
-        report = verify_env(conn, job, gpu=gpu)
+        report = verify_env(conn, job, gpu=gpu, health=health)
         for p in report.problems:
             if p.kind == "venv_missing" and job_path:  # the command to run, as it works when pasted
                 p.message = (f"the job's interpreter {p.expected} does not exist; run: "

@@ -16,6 +16,7 @@ from ..errors import ConfigError, UsageError
 from ..nodepath import canonical
 from . import rules as jobrules
 from . import sshvalues
+from .health import RunHealth
 from .yamlpos import load_model
 
 DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
@@ -124,6 +125,7 @@ class ResolvedHost(BaseModel):
     ssh_resolved: dict[str, list[str]] = {}
     ssh_persist: float = 60.0
     user_known_hosts: list[str] = []  # the user's own known_hosts files (ssh_config's UserKnownHostsFile): trusted too
+    strict_host_keys: bool = False  # the user's StrictHostKeyChecking yes: a key must be in user_known_hosts
 
     @property
     def gang_address(self) -> str:
@@ -296,6 +298,7 @@ class RunConfig(Strict):
     secret_env: list[str] = []
     wait: float = Field(default=60.0, ge=0)
     autotune_guard: bool = False
+    health: RunHealth = None  # the GPU health gate before a launch (config/health.py); off by default
     stop_grace: float = Field(default=30.0, ge=0)
     nodes: int = Field(default=1, ge=1, le=1024)  # a gang over this many hosts; -H names exactly that many
     launcher: Literal["none", "torchrun"] = "none"  # torchrun: run.command is what torchrun runs
@@ -306,6 +309,7 @@ class RunConfig(Strict):
     idle_util_pct: float = Field(default=5.0, ge=0, le=100)
     idle_minutes: float | None = Field(default=None, gt=0)  # every GPU under idle_util_pct this long: idle
     idle_action: Literal["alert", "stop"] = "alert"
+    gpus: int | None = Field(default=None, ge=0)  # dfo submit: GPUs one run needs; None: all of the node's
 
     @field_validator("log_metrics")
     @classmethod

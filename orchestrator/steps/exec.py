@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..agent import NODE, run_module
-from ..transport.base import Transport
+from ..transport.base import CallTimeout, Transport
 
 NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
-#                            still ends a call whose link died)
-CONTROLLER_MARGIN_S = 30.0  # with --timeout S, the node kills at S; the controller gives up at S + this
+#                            still ends a call whose link died; the host's start_timeout bounds its start)
+CONTROLLER_MARGIN_S = 10.0  # with --timeout S, the node kills the group at S (SIGKILL 2 s later) and says so;
+#                             the controller, counting from the node's start, ends the call at S + this itself
+TIMED_OUT = 124  # as timeout(1)
 KEEP_BYTES = 16 << 20  # per stream, what --json keeps (the end of it)
 
 
@@ -53,6 +55,8 @@ class ExecResult:
     signal: int | None = None
     stdout: str | None = None
     stderr: str | None = None
+    given: float | None = None  # --timeout, the seconds the command was given
+    unconfirmed: bool = False  # timed out, and the node did not say so within CONTROLLER_MARGIN_S: dfo ended it
 
     @property
     def exit_code(self) -> int:
@@ -78,7 +82,9 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
             on_err: Callable[[list[str]], None] | None = None, keep: bool = False) -> ExecResult:
     """Run ``argv`` on the node in its own process group; each batch of stdout/stderr lines goes to
     ``on_out``/``on_err`` as it arrives; ``keep`` collects them into the result (for --json). At
-    ``timeout`` seconds the node kills the group: exit 124, timed_out."""
+    ``timeout`` seconds the node kills the group: exit 124, timed_out. A node that has not said so
+    CONTROLLER_MARGIN_S later (its python hung, say) has its call ended here: exit 124 too, ``unconfirmed``.
+    A node whose side never starts is the host's start_timeout (transport.base.NotStarted, exit 4)."""
     out, err = _Kept(), _Kept()
 
     def on_event(ev: dict[str, Any]) -> None:
@@ -94,9 +100,15 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
 
     start = time.monotonic()
     limit = timeout + CONTROLLER_MARGIN_S if timeout else NO_LIMIT_S
-    data = run_module(conn, NODE.exec, {"command": command_text(argv), "timeout": timeout},
-                      timeout=limit, on_event=on_event)
+    try:
+        data = run_module(conn, NODE.exec, {"command": command_text(argv), "timeout": timeout},
+                          timeout=limit, on_event=on_event)
+    except CallTimeout:
+        if not timeout:
+            raise
+        return ExecResult(conn.name, TIMED_OUT, time.monotonic() - start, timed_out=True, given=timeout,
+                          unconfirmed=True, stdout=out.text() if keep else None, stderr=err.text() if keep else None)
     data = data if isinstance(data, dict) else {}
     return ExecResult(conn.name, int(data.get("exit", 1)), float(data.get("seconds") or time.monotonic() - start),
                       timed_out=bool(data.get("timed_out")), signal=data.get("signal"),
-                      stdout=out.text() if keep else None, stderr=err.text() if keep else None)
+                      stdout=out.text() if keep else None, stderr=err.text() if keep else None, given=timeout)

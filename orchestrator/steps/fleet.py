@@ -79,17 +79,22 @@ class LaunchView(Protocol):
     def command(self, command: str, host: str, run_id: str) -> str: ...  # a dfo command line, for hints
 
 
-def prepare_gang(sess: HostSession, loaded: LoadedJob, gang: dict[str, Any]) -> Any:
-    """A gang job (run.nodes > 1 or launcher: torchrun): plan it over the session's hosts in -H order,
-    check every node (preflight, addresses; exit 3 naming the nodes), and put the plan in ``gang``
-    (and return it); None for a job that is no gang."""
+def prepare_gang(sess: HostSession, loaded: LoadedJob, gang: dict[str, Any], names: list[str] | None = None,
+                 say: Callable[[str], None] | None = None) -> Any:
+    """Before a launch on ``names`` (default: the session's hosts): the job's run.health gate on each of them
+    at once (exit 3 naming the host, GPU, figure and expected value; ``say`` gets each host's verdict). Then
+    a gang job (run.nodes > 1 or launcher: torchrun): plan it over the session's hosts in -H order, check
+    every node (preflight, addresses; exit 3 naming the nodes), and put the plan in ``gang`` (and return
+    it); None for a job that is no gang."""
     from .gang import prepare
+    from .health import gate
 
     run = loaded.job.run
+    if not is_gang(loaded.job) and run is not None and run.recovers and len(sess.names) > 1:
+        raise UsageError(f"job {loaded.job.name}: run.spares/run.restarts: one run per job, and -H names "
+                         f"{len(sess.names)} hosts", hint="name one host, or make it a gang (run.nodes)")
+    gate(sess, loaded, list(sess.names if names is None else names), say)
     if not is_gang(loaded.job):
-        if run is not None and run.recovers and len(sess.names) > 1:
-            raise UsageError(f"job {loaded.job.name}: run.spares/run.restarts: one run per job, and -H names "
-                             f"{len(sess.names)} hosts", hint="name one host, or make it a gang (run.nodes)")
         return None
     plan = gang["plan"] = prepare(sess, loaded.job, runs.new_run_id(loaded.job.name))
     if run is not None and run.recovers:  # the gang's generation, once for all its nodes (steps/generation.py)
@@ -362,7 +367,7 @@ def up_chain(sess: HostSession, loaded: LoadedJob, requests: dict[str, dict[str,
             if running and is_gang(job):  # a gang starts on every node at once, or not at all
                 raise UsageError(f"job {job.name}: a gang, and only some of its nodes run it "
                                  f"({', '.join(running)}): stop those runs first (dfo stop -H HOST RUN)")
-            plan = prepare_gang(sess, loaded, gang)
+            plan = prepare_gang(sess, loaded, gang, names=todo, say=lambda text: view.banner("health", text))
             if plan is not None:
                 view.gang_ready(plan)
         except DfoError as exc:

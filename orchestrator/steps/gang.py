@@ -63,6 +63,7 @@ class GangPlan:
     watch_port: int
     secret: str = field(repr=False)  # the gang watch's shared secret (hex): stdin only, never argv/logs
     generation: dict[str, Any] | None = None  # a recovering job's generation (steps/generation.py), set once
+    join_timeout: float = JOIN_BASE_S  # rank 0's hub: seconds to wait for a member's first join (join_limit)
 
     @property
     def master(self) -> NodePlan:
@@ -166,7 +167,8 @@ def plan_gang(job: Job, hosts: Sequence[ResolvedHost], run_id: str, *, gpus: Map
         nodes.append(NodePlan(host=h.name, rank=rank, address=h.gang_address, nproc=nproc, env=env, command=cmd,
                               gloo_ifname=not gloo_set and n > 1))
     return GangPlan(run_id=run_id, nodes=nodes, rdzv_port=run.rdzv_port, watch_port=watch_port,
-                    secret=secret or secrets.token_hex(32))
+                    secret=secret or secrets.token_hex(32),
+                    join_timeout=join_limit(n, max(float(h.connect_timeout) for h in hosts)))
 
 
 # --------------------------------------------------------------------------- preflight

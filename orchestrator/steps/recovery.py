@@ -699,6 +699,7 @@ class Watcher:
 
     def _parity(self, spare: str, hosts: list[str]) -> bool:
         """provision, stage-model, sync-data on the spare (each a no-op when it is ready already)."""
+        from .health import gate_spare
         from .provision import provision
         from .transfer import build_request, transfer
 
@@ -714,6 +715,8 @@ class Watcher:
                 for what in ("model", "data"):
                     if getattr(self.job, what) is not None:
                         transfer(conn, self.loaded, what, build_request(self.loaded, what))
+                if not gate_spare(conn, self.loaded, self.say):  # run.health: a spare that fails it is set aside
+                    return False
         except DfoError as exc:
             self.say(f"watch: spare {spare}: {exc.message}; it is set aside")
             return False

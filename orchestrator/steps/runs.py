@@ -324,8 +324,6 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
         "uploads": [{k: v for k, v in u.items() if not k.startswith("_")} for u in uploads],
     }
     if gang is not None:
-        from .gang import join_limit
-
         node = gang.node(conn.host.name)
         req["command"] = node.command
         req["env"] = {**plain, **node.env}  # the gang's ranks and addresses win over run.env
@@ -335,7 +333,7 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
                        "port": gang.watch_port, "secret": gang.secret, "gloo_ifname": node.gloo_ifname,
                        "address": node.address, "peer": peer,
                        "addrs": [n.address for n in gang.nodes],  # the hub admits these apart from strangers
-                       "join_timeout": join_limit(len(gang.nodes), conn.host.connect_timeout)}
+                       "join_timeout": gang.join_timeout}
     if out is not None:
         from .outputs import launch_fields
 

@@ -94,6 +94,7 @@ class VerifyReport(BaseModel):
     problems: list[Problem] = []
     warnings: list[Problem] = []
     gpu: dict[str, Any] | None = None
+    health: dict[str, Any] | None = None  # the health gate's data (--health): checks, gpus, phases
     provision: dict[str, Any] | None = None
 
     @property
@@ -130,6 +131,7 @@ class VerifyReport(BaseModel):
             "venv_python": f.venv_python,
             "provision": self.provision,
             "gpu_checks": self.gpu,
+            "health": self.health,
         }
 
 
@@ -146,10 +148,11 @@ def _known_bad(packages: dict[str, str | None], facts: NodeFacts, gpu: dict[str,
     return [Problem.model_validate(p) for p in match_known_bad(packages, caps, arch_list)]
 
 
-def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900) -> VerifyReport:
+def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeout: float = 900,
+               health: bool = False) -> VerifyReport:
     ws = workspace_of(conn, job)
     raw = run_module(conn, NODE.probe, {
-        "workspace": ws, "paths": {"shm": "/dev/shm"},
+        "workspace": ws, "paths": {"home": "~", "shm": "/dev/shm"},  # home: beside the workspace
         "venv_python": job.venv_python if job else None,
         "provision_record": job.name if job else None,
         "job_paths": {"workspace": ws or "", **(job_paths(job) if job else {})},
@@ -198,6 +201,18 @@ def verify_env(conn: Transport, job: Job | None, *, gpu: bool = False, gpu_timeo
             for k in ("torch", "triton", "fla"):
                 if report.gpu.get(k) and k not in all_packages:
                     all_packages[k] = report.gpu[k]
+    if health:
+        from .health import run_gate
+
+        py = job.venv_python if job is not None and facts.venv_python_exists else conn.host.python
+        try:
+            report.health = run_gate(conn, job, python=py)
+        except HostError:
+            raise
+        except DfoError as exc:
+            report.problems.append(Problem(kind="health", message=f"the GPU health gate failed to run: {exc.message}"))
+        if report.health:
+            report.problems.extend(Problem.model_validate(p) for p in report.health.get("problems") or [])
     seen = {(p.kind, p.package, p.message) for p in report.problems}
     for p in _known_bad(all_packages, facts, report.gpu):
         if (p.kind, p.package, p.message) not in seen:

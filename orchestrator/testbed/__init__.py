@@ -17,6 +17,12 @@ How sshd is configured and started lives in testbed/node.py; processes and names
 
 Beyond the core API: tb.ssh(node, cmd) / tb.ssh_argv(node, *cmd) (the system ssh client with the testbed
 key, accept-new), tb.host_public_key(node), tb.isolated, tb.bridge_address, tb.timings, tb.vanish(node).
+sshd as a site may run it (tb.sshd_options, tb.set_password): a second factor after the key is
+
+    tb.set_password(node, "pw")                       # namespace nodes only: the node's own /etc/shadow
+    tb.sshd_options(node, AuthenticationMethods="publickey,password", PasswordAuthentication="yes",
+                    PermitRootLogin="yes")            # or publickey,keyboard-interactive with
+                                                      # UsePAM="yes", KbdInteractiveAuthentication="yes"
 
 Without root or netns (use_netns=False) sshd listens on 127.0.0.1:<free port> as the current
 user, with no private mounts: the node sees this machine's files, /dev/shm is the host's (no
@@ -417,6 +423,50 @@ class Testbed:
                 return new
             time.sleep(0.05)
         raise TestbedError(f"{st.node.name}: sshd did not serve the new host key within {timeout:.0f}s")
+
+    def sshd_options(self, node: Node | str, timeout: float = 15, **options: str) -> None:
+        """Set keywords of the node's sshd_config (each replaces the line that sets it, else is added: sshd
+        takes a keyword's first value), then make its sshd read it again (SIGHUP: it re-executes, same pid);
+        back once it listens anew. A config sshd refuses is TestbedError with its log."""
+        st = self._st(node)
+        assert st.proc is not None
+        path, log = st.dir / "etc" / "sshd_config", st.dir / "sshd.log"
+        lines = path.read_text().splitlines()
+        for key, value in options.items():
+            line = f"{key} {value}"
+            at = [i for i, ln in enumerate(lines) if ln.split()[:1] and ln.split()[0].lower() == key.lower()]
+            if at:
+                lines[at[0]] = line
+            else:
+                lines.append(line)
+        path.write_text("\n".join(lines) + "\n")
+        listening = tsys.log_tail(log, 10_000).count("Server listening on")
+        st.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while tsys.log_tail(log, 10_000).count("Server listening on") <= listening:
+            if st.proc.poll() is not None or time.monotonic() > deadline:
+                raise TestbedError(f"{st.node.name}: sshd did not come back with {options}:\n{tsys.log_tail(log)}")
+            time.sleep(0.05)
+        tsys.wait_banner(st.node.address, st.node.port, timeout=max(1.0, deadline - time.monotonic()))
+
+    def set_password(self, node: Node | str, password: str) -> None:
+        """Give the node's login user ``password``: a copy of this machine's /etc/shadow with that user's hash
+        changed (or added), bound over /etc/shadow inside the node's own mount namespace (this machine's file is
+        untouched). The password goes to openssl and to the node on stdin, never in argv. Namespace nodes only;
+        sshd asks for it once sshd_options allows password or keyboard-interactive logins."""
+        st = self._st(node)
+        if not st.netns or st.proc is None:
+            raise TestbedError(f"{st.node.name}: set_password needs a namespace node (root); this testbed is loopback")
+        hashed = tsys.run_input(["openssl", "passwd", "-6", "-stdin"], password + "\n").stdout.strip()
+        user = st.node.user
+        rows = Path("/etc/shadow").read_text().splitlines()
+        mine = f"{user}:{hashed}:20000:0:99999:7:::"
+        rows = [mine if r.split(":")[0] == user else r for r in rows]
+        if mine not in rows:
+            rows.append(mine)
+        argv = ["nsenter", "-t", str(st.proc.pid), "-m", "--", "sh", "-c",
+                "umask 077 && cat > /tmp/.dfo-shadow && mount --bind /tmp/.dfo-shadow /etc/shadow"]
+        tsys.run_input(argv, "\n".join(rows) + "\n")
 
     def set_login_shell(self, node: Node | str, shell: str) -> None:
         """Give the node's login user another login shell (fish, tcsh, ...: installed on this machine), for

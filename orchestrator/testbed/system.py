@@ -46,6 +46,14 @@ def run(argv: Sequence[str], *, timeout: float = 30, check: bool = True) -> subp
     return proc
 
 
+def run_input(argv: Sequence[str], text: str, *, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """``run`` with ``text`` on stdin (a secret stays out of argv); TestbedError when it fails."""
+    proc = subprocess.run(list(argv), input=text, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise TestbedError(f"{argv[0]} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    return proc
+
+
 def free_ports(count: int, host: str = "") -> list[int]:
     """Ports that are free right now (held open together so they differ)."""
     socks: list[socket.socket] = []

@@ -13,12 +13,18 @@ to ``$SHELL -c``: fish, tcsh and nushell parse shell text differently): ``sh_com
 
 from __future__ import annotations
 
+import errno
+import re
+import selectors
+import sys
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import VerifyError
+from ..errors import HostError, VerifyError
 
 if TYPE_CHECKING:
     from ..config.models import ResolvedHost
@@ -52,9 +58,11 @@ class Transport(ABC):
     @abstractmethod
     def run(self, command: str, *, timeout: float | None = None, stdin: bytes | str | None = None,
             on_line: Callable[[str], object] | None = None) -> Result:
-        """Run ``command`` (a shell string built with shlex.quote), at most ``timeout`` s (default:
-        the inventory's command_timeout). ``stdin`` is sent and closed. With ``on_line`` each stdout
-        line goes to it as it arrives and only the line it returns True for, the result frame, is kept
+        """Run ``command`` (a shell string built with shlex.quote). Two bounds: the node's side must start
+        within the host's ``start_timeout`` (counted from the call's start, the connection included; past it,
+        NotStarted, exit 4), and the command then runs at most ``timeout`` s (default: the inventory's
+        command_timeout; past it, CallTimeout, exit 4). ``stdin`` is sent and closed. With ``on_line`` each
+        stdout line goes to it as it arrives and only the line it returns True for, the result frame, is kept
         (one: a second is a VerifyError naming the host); stdout is bounded either way (_Collector)."""
 
     @abstractmethod
@@ -92,19 +100,24 @@ _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 _ESC = [chr(b) if b in _SAFE else f"\\{b:03o}" for b in range(256)]
 
 
-def sh_command(command: str, exit_marker: str | None = None) -> str:
+def sh_command(command: str, exit_marker: str | None = None, start_marker: str | None = None) -> str:
     r"""``command`` as a string that any login shell (sh, bash, zsh, fish, tcsh, nushell) hands to ``sh``
     unchanged: ``sh -c 'eval "$(printf "\ooo...")"'``. Every byte but ``[A-Za-z0-9_./:=,+-]`` is written
     as an octal escape, so the single-quoted text holds no quote, blank, ``$``, ``!`` or two backslashes
     in a row, which one of those shells would read its own way; printf is sh's builtin (nothing else is
     needed on the node).
 
-    ``exit_marker``: the command runs in a subshell, then sh writes ``\036dfo-exit:MARKER:CODE\036`` on
-    stderr: the OpenSSH transport tells the command's own exit 255 from ssh's, and sees the end of a
-    command whose leftover child holds the output open."""
+    ``start_marker``: before the command, sh writes ``\036dfo-start:MARKER\036`` on stderr: the node's
+    side has started (sshd, the login, the shell are past), which the transports bound by the host's
+    start_timeout. ``exit_marker``: the command runs in a subshell, then sh writes
+    ``\036dfo-exit:MARKER:CODE\036`` on stderr: the OpenSSH transport tells the command's own exit 255
+    from ssh's, and sees the end of a command whose leftover child holds the output open. ``Marks`` reads
+    both off stderr."""
     script = command
     if exit_marker is not None:
         script = f"(\n{command}\n)\ns=$?\nprintf '\\036dfo-exit:{exit_marker}:%d\\036' \"$s\" >&2\nexit \"$s\"\n"
+    if start_marker is not None:
+        script = f"printf '\\036dfo-start:{start_marker}\\036' >&2\n{script}"
     enc = "".join(_ESC[b] for b in script.encode())
     return f"sh -c 'eval \"$(printf \"{enc}\")\"'"
 
@@ -245,3 +258,246 @@ class _Stream:
 
 def _mib(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+# --------------------------------------------------------------------------- the bounds of a call
+
+class NotStarted(HostError):
+    """The node's side of a call did not start within the host's start_timeout: sshd took the connection (or
+    is still being reached) but the login never ran dfo's command. A host that does not answer (exit 4)."""
+
+
+class CallTimeout(HostError):
+    """A call's command started but did not end within its timeout (exit 4; ``dfo exec --timeout`` makes it
+    its 124). ``limit``: the seconds it was given."""
+
+    def __init__(self, message: str, *, limit: float, host: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, host=host, hint=hint)
+        self.limit = limit
+
+
+START_HINT = ("sshd took the connection but the login never ran dfo's command: a login file (~/.bashrc, ~/.profile, "
+              "~/.ssh/rc) or a ForceCommand that waits, PAM, a hung home directory; `ssh HOST true` shows it "
+              "(the bound: start_timeout, in the inventory's defaults or the host's entry)")
+
+
+class CallClock:
+    """The two bounds of one call, from ``t0``: its node side starts within ``start_limit`` s (NotStarted), then
+    its command ends within ``limit`` s of that start (CallTimeout). ``check(started)`` raises the one passed."""
+
+    def __init__(self, host: str, start_limit: float, limit: float, t0: float) -> None:
+        self.host, self.start_limit, self.limit, self.t0 = host, start_limit, limit, t0
+        self.started_at: float | None = None
+
+    def check(self, started: bool, now: float) -> None:
+        if started and self.started_at is None:
+            self.started_at = now
+        if self.started_at is None:
+            if now - self.t0 > self.start_limit:
+                raise NotStarted(f"no answer: the node's side of the call did not start within {self.start_limit:g}s",
+                                 host=self.host, hint=START_HINT)
+        elif now - self.started_at > self.limit:
+            raise CallTimeout(f"remote command did not finish within {self.limit:g}s", limit=self.limit,
+                              host=self.host,
+                              hint="the node may be overloaded or the link dead; retry, or raise the timeout")
+
+    def left(self, now: float) -> float:
+        """Seconds until the bound that applies now passes (never below 0)."""
+        end = self.t0 + self.start_limit if self.started_at is None else self.started_at + self.limit
+        return max(0.0, end - now)
+
+
+class Marks:
+    """A command's stderr into a _Tail, with dfo's markers (sh_command) taken out: ``started`` once the start
+    marker came (or the exit marker: a command that ended had started), ``code`` the exit marker's status."""
+
+    def __init__(self, marker: str) -> None:
+        m = re.escape(marker.encode())
+        self.rx = re.compile(rb"\x1edfo-(?:start:" + m + rb"|exit:" + m + rb":(\d+))\x1e")
+        self.longest = len(marker) + 24
+        self.tail = _Tail()
+        self.carry = b""
+        self.started = False
+        self.code: int | None = None
+
+    def feed(self, data: bytes) -> None:
+        buf = self.carry + data
+        while (m := self.rx.search(buf)) is not None:
+            self.started = True
+            if m.group(1) is not None:
+                self.code = int(m.group(1))
+            buf = buf[:m.start()] + buf[m.end():]
+        cut = buf.rfind(b"\x1e", max(0, len(buf) - self.longest)) if self.code is None else -1
+        if cut >= 0:
+            self.carry, buf = buf[cut:], buf[:cut]
+        else:
+            self.carry = b""
+        self.tail.feed(buf)
+
+    def text(self) -> str:
+        if self.carry:
+            self.tail.feed(self.carry)
+            self.carry = b""
+        return self.tail.text()
+
+
+# poll(2) (epoll/kqueue where there is no poll): select(2) fails on a descriptor past 1023, which a command over
+# some hundreds of hosts reaches
+Selector: type[selectors.BaseSelector] = getattr(selectors, "PollSelector", selectors.DefaultSelector)
+
+
+# --------------------------------------------------------------------------- descriptors
+
+NOFILE_WANT = 16384  # the soft open-file limit dfo raises itself to at start (at most the hard limit): 2,040 calls
+PER_CALL_FDS = 8  # descriptors one call in flight holds here at most: 3 or 4 once it runs (ssh's stdin, stdout and
+#                   stderr pipes; a mux session: its socket and three pipe ends), up to 8 while it starts (both ends
+#                   of each pipe, and subprocess's own pipe for exec's error)
+NOFILE_RESERVE = 64  # kept for the rest: stdio, the inventory, known_hosts, logs, S3's sockets, paramiko's own
+
+
+def raise_nofile(want: int = NOFILE_WANT) -> int | None:
+    """Raise this process's soft RLIMIT_NOFILE towards ``want``, at most to the hard limit (where the system
+    refuses a value, as macOS does past kern.maxfilesperproc, half of it, and so on): the soft limit now, or
+    None where there is none to read. Never lowers it."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ValueError, OSError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    while target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            target //= 2
+    return soft
+
+
+def nofile() -> tuple[int, int]:
+    """(soft, hard) RLIMIT_NOFILE of this process; a large number for 'no limit'."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        inf = resource.RLIM_INFINITY
+    except (ImportError, ValueError, OSError):
+        return 1 << 20, 1 << 20
+    return (1 << 20 if soft == inf else soft), (1 << 20 if hard == inf else hard)
+
+
+class _Budget:
+    """How many calls may hold their descriptors here at once: what the soft open-file limit leaves past
+    NOFILE_RESERVE, PER_CALL_FDS each. A call past that waits for one to end (said once on stderr), so a
+    limit that cannot hold every host's call at once makes hosts take turns instead of failing. A thread
+    that holds a slot takes no second one (a call made from inside another's callback)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._said = False
+        self._mine = threading.local()
+
+    @staticmethod
+    def size() -> int:
+        return max(1, (nofile()[0] - NOFILE_RESERVE) // PER_CALL_FDS)
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        if getattr(self._mine, "held", False):
+            yield
+            return
+        with self._cond:
+            if self._busy >= self.size() and not self._said:
+                self._said = True
+                soft, hard = nofile()
+                sys.stderr.write(f"dfo: the open-file limit here ({soft}) lets {self.size()} calls run at once; "
+                                 f"the other hosts wait for a turn (for all at once: `ulimit -n {NOFILE_WANT}` "
+                                 f"before dfo, the hard limit being {hard})\n")
+            while self._busy >= self.size():
+                self._cond.wait(0.25)  # in slices: Ctrl-C reaches the main thread
+            self._busy += 1
+        self._mine.held = True
+        try:
+            yield
+        finally:
+            self._mine.held = False
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify()
+
+
+CALLS = _Budget()  # the process's one budget: every transport's call takes a slot of it while it runs
+
+
+# --------------------------------------------------------------------------- resource errors
+
+class LocalResourceError(HostError):
+    """This machine ran out of something a host's call needs (open files, processes, memory): exit 4, the
+    host was not reached, and the message names the limit and what to do. Never "please report it"."""
+
+    kind = "local_resource"
+
+
+def _nproc() -> str:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        return "no limit" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, ValueError, OSError, AttributeError):
+        return "unknown"
+
+
+def _from_fork(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a process or thread was being started (subprocess, threading)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("_execute_child", "_fork_exec", "_posix_spawn"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def resource_error(exc: BaseException, host: str | None = None) -> LocalResourceError | None:
+    """The clear error for ``exc`` (or an error under it) when it says this machine ran out of open files
+    (EMFILE, ENFILE), memory (ENOMEM, MemoryError) or processes (EAGAIN from fork, a thread that cannot
+    start); None for any other error."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code == errno.EMFILE:
+            soft, hard = nofile()
+            return LocalResourceError(
+                f"this machine ran out of open files for the call (EMFILE: dfo's limit is {soft}, hard {hard})",
+                host=host, hint=f"raise it before dfo starts (`ulimit -n {NOFILE_WANT}`; past the hard limit: "
+                                "/etc/security/limits.conf, or LimitNOFILE= for a service), or name fewer hosts")
+        if code == errno.ENFILE:
+            return LocalResourceError(
+                "this machine's table of open files is full (ENFILE: the system-wide limit, fs.file-max)",
+                host=host, hint="close what holds many files, raise fs.file-max (sysctl), or name fewer hosts")
+        if code == errno.ENOMEM or isinstance(e, MemoryError):
+            return LocalResourceError("this machine is out of memory for the call (ENOMEM)", host=host,
+                                      hint="free memory here, or name fewer hosts at once")
+        if (code == errno.EAGAIN and _from_fork(e)) or (
+                isinstance(e, RuntimeError) and "can't start new thread" in str(e)):
+            return LocalResourceError(
+                f"this machine could not start a process or thread for the call (the process limit is {_nproc()})",
+                host=host, hint="raise `ulimit -u` (or the pids limit of your container or cgroup), "
+                                "or name fewer hosts at once")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def raise_if_resource(exc: BaseException, host: str | None) -> None:
+    """Raise resource_error(exc) (from ``exc``) when ``exc`` is this machine running out of something."""
+    err = resource_error(exc, host)
+    if err is not None:
+        raise err from exc

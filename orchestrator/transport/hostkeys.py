@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import shlex
 from pathlib import Path
 
 import paramiko
@@ -49,6 +48,8 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         import fcntl
 
+        if self.host.strict_host_keys:  # the user's StrictHostKeyChecking yes: their own files decide, never first use
+            raise strict_error(self.host, hostname)
         p = Path(self.host.known_hosts)
         p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         blob = key.asbytes()
@@ -78,6 +79,16 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
+def strict_error(host: ResolvedHost, name: str) -> HostKeyError:
+    """A host whose key is not in the user's known_hosts, where their ssh_config says StrictHostKeyChecking yes."""
+    theirs = host.user_known_hosts[0] if host.user_known_hosts else "~/.ssh/known_hosts"
+    return HostKeyError(
+        f"host key for {name} is not in your known_hosts ({theirs}), and your ssh_config says StrictHostKeyChecking "
+        "yes for it: dfo is never less strict than your ssh; nothing was run", host=host.name,
+        hint=f"check the node's key out of band, then add it to {theirs} (`ssh-keyscan` prints it: compare its "
+             "fingerprint first), or let dfo record it on first use: StrictHostKeyChecking accept-new for this host")
+
+
 def _kind(key_type: str) -> str:
     from .openssh_keys import key_kind  # ssh-keygen's names (ED25519, RSA, ECDSA), as OpenSSH's transport says them
 
@@ -92,7 +103,8 @@ def new_client(host: ResolvedHost, name: str) -> paramiko.SSHClient:
     keys = client.get_host_keys()
     types: set[str] = set()
     dfo = KnownHosts.load(host.known_hosts)
-    for e in dfo.recorded(name) + [e for _, e in _users(host, name, dfo)]:
+    mine = [] if host.strict_host_keys else dfo.recorded(name)  # strict: the user's files alone, as their ssh
+    for e in mine + [e for _, e in _users(host, name, dfo)]:
         key = _pkey(e)
         if key is not None and e.key_type not in types:  # the first line per key type counts (dfo's first)
             types.add(e.key_type)
@@ -139,23 +151,15 @@ def host_key_error(host: ResolvedHost, exc: paramiko.BadHostKeyException, name: 
         return _revoked_error(host, name, exc.key, revoked)
     same = [e for e in kh.recorded(name) if e.key_type == exc.key.get_name()]
     where = f" ({host.known_hosts}:{same[0].lineno})" if same else ""
-    theirs = [(f, e) for f, e in _users(host, name, kh) if e.key_type == exc.key.get_name()]
-    if not same and theirs:  # the key the user's own known_hosts holds
-        where = f" ({theirs[0][0]}:{theirs[0][1].lineno})"
-        forget = f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(theirs[0][0])}"
-        return HostKeyError(
-            f"host key for {name} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
-            f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run", host=host.name,
-            hint=f"if the node was really rebuilt, forget the old key with: {forget}")
     if any(e.blob == offered for e in same[1:]):
         return HostKeyError(
             f"host key for {name}: {len(same)} {exc.key.get_name()} keys are recorded for it and the first"
             f"{where} is not the one offered; nothing was run",
             host=host.name, hint="dfo checks one key per host and key type: delete the stale line")
-    forget = f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(host.known_hosts)}"
-    return HostKeyError(
-        f"host key for {name} CHANGED: recorded {fingerprint(exc.expected_key)}{where}, "
-        f"offered {fingerprint(exc.key)} ({exc.key.get_name()}); nothing was run",
-        host=host.name,
-        hint=f"if the node was really rebuilt, forget the old key with: {forget}",
-    )
+    # every file and line that holds an old key for it (dfo's file, then the user's), one ssh-keygen -R each
+    old = [(f, e) for f, e in known_hosts.holding([host.known_hosts, *host.user_known_hosts], name)
+           if e.key_type == exc.key.get_name() and e.blob != offered]
+    if not old:
+        old = [(host.known_hosts, e) for e in same[:1]]
+    message, hint = known_hosts.changed(name, fingerprint(exc.key), exc.key.get_name(), old)
+    return HostKeyError(message, host=host.name, hint=hint)

@@ -209,6 +209,50 @@ class KnownHosts:
         return [e for e in self.entries if e.marker is None and e.blob not in revoked and e.matches(label)]
 
 
+def fingerprint(blob: bytes) -> str:
+    """ssh-keygen's SHA256 fingerprint of a key blob."""
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def lenient(path: str) -> list[Entry]:
+    """The lines of a known_hosts file that is not dfo's (the user's, the system's): unreadable lines skipped,
+    as ssh does; an absent or unreadable file is empty."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError:
+        return []
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        got = parse_line(line)
+        if got is not None and not isinstance(got, str):
+            out.append(Entry(n, *got))
+    return out
+
+
+def holding(files: list[str], label: str) -> list[tuple[str, Entry]]:
+    """(file, line) of every plain key line for ``label`` in ``files`` (each file once, in order; a key that
+    one of them marks @revoked left out, as ``recorded`` does)."""
+    got = [(f, e) for f in dict.fromkeys(files) for e in lenient(f)]
+    revoked = {e.blob for _, e in got if e.marker == "@revoked"}
+    return [(f, e) for f, e in got if e.marker is None and e.blob not in revoked and e.matches(label)]
+
+
+def changed(label: str, offered: str, kind: str, old: list[tuple[str, Entry]]) -> tuple[str, str]:
+    """(message, hint) for a host key that changed: every file and line that holds an old key for ``label``
+    (``old``, in the order ssh reads them), and one ``ssh-keygen -R`` per file."""
+    import shlex
+
+    by_fp: dict[str, list[str]] = {}
+    for f, e in old:
+        by_fp.setdefault(fingerprint(e.blob), []).append(f"{f}:{e.lineno}")
+    recorded = ", ".join(f"{fp} ({', '.join(where)})" for fp, where in by_fp.items()) or "?"
+    files = list(dict.fromkeys(f for f, _ in old))
+    forget = "; ".join(f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(f)}" for f in files)
+    return (f"host key for {label} CHANGED: recorded {recorded}, offered {offered} ({kind}); nothing was run",
+            f"if the node was really rebuilt, forget the old key{' in each file' if len(files) > 1 else ''} "
+            f"with: {forget}")
+
+
 def append(path: str, label: str, key_type: str, blob: bytes) -> None:
     """Add ``label key_type base64`` as the file's new last line; the caller holds the file's locks.
 

@@ -3,13 +3,15 @@
 Each command runs in its own process group with an allow-listed environment (orchestrator.localenv).
 If the call ends early (its timeout, an on_line callback that raises, Ctrl-C), the whole group is
 killed before the error goes on: nothing the call started outlives it, as with a closed SSH channel.
+There is no start phase to bound here (bash starts on this machine); the timeout is the command's, and the
+output is waited on with poll(2), never select(2), which fails past descriptor 1023.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import select
+import selectors
 import signal
 import subprocess
 import threading
@@ -18,9 +20,19 @@ from collections.abc import Callable
 from typing import cast
 
 from ..config.models import ResolvedHost
-from ..errors import HostError
 from ..localenv import local_env
-from .base import STREAM_PIECE, Result, Transport, _Collector, _Stream, _Tail
+from .base import (
+    CALLS,
+    STREAM_PIECE,
+    CallTimeout,
+    Result,
+    Selector,
+    Transport,
+    _Collector,
+    _Stream,
+    _Tail,
+    raise_if_resource,
+)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -56,10 +68,19 @@ class LocalConnection(Transport):
 
     def _run(self, command: str, timeout: float | None, stdin: bytes | str | None, out: _Collector | _Stream,
              bufsize: int = 65536) -> Result:
+        with CALLS.slot():  # a turn, where the open-file limit cannot hold every host's call at once
+            return self._call(command, timeout, stdin, out, bufsize)
+
+    def _call(self, command: str, timeout: float | None, stdin: bytes | str | None, out: _Collector | _Stream,
+              bufsize: int) -> Result:
         limit = timeout if timeout is not None else self.host.command_timeout
         start = time.monotonic()
-        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, env=local_env())
+        try:
+            proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, env=local_env())
+        except OSError as exc:  # out of descriptors, processes or memory here: said as such
+            raise_if_resource(exc, self.name)
+            raise
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         pin, pout = proc.stdin, proc.stdout
         perr = cast(io.BufferedReader, proc.stderr)  # what Popen makes (bufsize -1); typeshed says IO[bytes]
@@ -87,13 +108,14 @@ class LocalConnection(Transport):
         for t in threads:
             t.start()
         fd = pout.fileno()
+        sel = Selector()  # poll(2): a descriptor past 1023 is no trouble (select(2) fails there)
+        sel.register(fd, selectors.EVENT_READ)
         try:
             while True:
                 remaining = limit - (time.monotonic() - start)
                 if remaining <= 0:
-                    raise HostError(f"local command did not finish within {limit:g}s", host=self.name)
-                r, _, _ = select.select([fd], [], [], min(remaining, 0.25))
-                if r:
+                    raise CallTimeout(f"local command did not finish within {limit:g}s", limit=limit, host=self.name)
+                if sel.select(min(remaining, 0.25)):
                     chunk = os.read(fd, bufsize)
                     if not chunk:
                         break
@@ -101,10 +123,13 @@ class LocalConnection(Transport):
             try:  # stdout is closed; the command may still run
                 code = proc.wait(max(limit - (time.monotonic() - start), 0.01))
             except subprocess.TimeoutExpired:
-                raise HostError(f"local command did not finish within {limit:g}s", host=self.name) from None
+                raise CallTimeout(f"local command did not finish within {limit:g}s", limit=limit,
+                                  host=self.name) from None
         except BaseException:  # a timeout, on_line raising, Ctrl-C: nothing the call started outlives it
             _kill_group(proc)
             raise
+        finally:
+            sel.close()
         for t in threads:
             t.join(5)
         pout.close()

@@ -10,6 +10,11 @@ What ssh is told, and why, is in openssh_setup.py (the one commented place for i
   which sh writes an exit marker on stderr: ssh's own exit 255 (it could not connect, or the
   connection died) is never taken for the command's, and a command whose leftover child holds the
   output open ends AFTER_EXIT_S after its shell did (as the paramiko transport does);
+* two bounds on every call (base.CallClock): sh writes a start marker on stderr before the command, which
+  must come within the host's start_timeout (a node that takes the connection and then hangs in its
+  login: NotStarted, exit 4), then the command has its timeout (CallTimeout);
+* a call holds its descriptors only while it has a turn (base.CALLS: what the open-file limit holds at
+  once) and waits on them with poll(2), never select(2), which fails past descriptor 1023;
 * stdout goes through transport._Collector (streaming on_line, bounded), or with ``run_stream`` (binary
   stdout: dfo pull's bytes) to the caller's on_data in pieces, nothing kept; stderr through _Tail;
   stdin bytes are written by a thread and closed (secrets travel there, never in argv);
@@ -23,9 +28,8 @@ What ssh is told, and why, is in openssh_setup.py (the one commented place for i
 from __future__ import annotations
 
 import os
-import re
 import secrets
-import select
+import selectors
 import shutil
 import subprocess
 import sys
@@ -34,11 +38,22 @@ import time
 from collections.abc import Callable
 
 from ..config.models import ResolvedHost
-from ..errors import ConnectionLost, DfoError, HostError, HostKeyError
+from ..errors import ConnectionLost, DfoError, HostKeyError
 from . import openssh_early, openssh_mux
 from . import openssh_keys as keys
 from . import openssh_setup as setup
-from .base import Result, Transport, _Collector, _Stream, _Tail, sh_command
+from .base import (
+    CALLS,
+    CallClock,
+    Marks,
+    Result,
+    Selector,
+    Transport,
+    _Collector,
+    _Stream,
+    raise_if_resource,
+    sh_command,
+)
 from .openssh_early import stop
 from .openssh_errors import LOST_HINT, classify, mux_failed_before_session
 
@@ -47,36 +62,6 @@ PERSIST_OFF_S = 10  # ssh_persist 0: the command's own master ends at close() (m
 AFTER_EXIT_S = 2.0  # after the command's shell ended: read output to EOF, or until this long without a byte
 SLICE_S = 0.25  # the loop's wait: Ctrl-C and timeouts act within this
 PIPE_BIG = 1 << 20  # run_stream: ssh's stdout pipe is grown to this (fewer wake-ups per byte), when Linux lets it
-
-
-class _ErrScan:
-    """stderr into a _Tail, with the exit marker (transport.sh_command) taken out and remembered."""
-
-    def __init__(self, marker: str) -> None:
-        self.rx = re.compile(rb"\x1edfo-exit:" + marker.encode() + rb":(\d+)\x1e")
-        self.longest = len(marker) + 24
-        self.tail = _Tail()
-        self.carry = b""
-        self.code: int | None = None
-
-    def feed(self, data: bytes) -> None:
-        buf = self.carry + data
-        m = self.rx.search(buf)
-        if m is not None:
-            self.code = int(m.group(1))
-            buf = buf[:m.start()] + buf[m.end():]
-        cut = buf.rfind(b"\x1e", max(0, len(buf) - self.longest))
-        if cut >= 0 and self.code is None:
-            self.carry, buf = buf[cut:], buf[:cut]
-        else:
-            self.carry = b""
-        self.tail.feed(buf)
-
-    def text(self) -> str:
-        if self.carry:
-            self.tail.feed(self.carry)
-            self.carry = b""
-        return self.tail.text()
 
 
 class OpenSSH(Transport):
@@ -192,8 +177,9 @@ class OpenSSH(Transport):
         """The call of the ssh started at dfo's start-up (openssh_early), read as warm()'s call is run."""
         limit = self.host.connect_timeout + 10
         try:
-            done = self._collect(prep, early.proc, "true", early.marker, early.started, limit, None,
-                                 _Collector(None, host=self.name), False, False)
+            with CALLS.slot():
+                done = self._collect(prep, early.proc, "true", early.marker, early.started, limit, None,
+                                     _Collector(None, host=self.name), False, False)
             if done is None:  # the master failed before the session opened: as _run does, on a fresh connection
                 self._run("true", limit, None, lambda: _Collector(None, host=self.name), prep=prep, probed=None)
         except DfoError as exc:
@@ -275,32 +261,41 @@ class OpenSSH(Transport):
     def _run(self, command: str, timeout: float | None, stdin: bytes | str | None,
              sink: Callable[[], _Collector | _Stream], big_pipe: bool = False,
              prep: keys.Prepared | None = None, probed: bool | None | str = "") -> Result:
+        """One call: the node's side must start within the host's start_timeout, the command then ends within
+        ``timeout`` (default: command_timeout); both counted once the call has its descriptors (CALLS)."""
         limit = timeout if timeout is not None else self.host.command_timeout
         if prep is None:  # (warm()'s call passes the set-up it was started for: never one made after a close())
             self._prepared()  # first: it may take over an early ssh, which this call then waits for
             self._wait_warm()
-        start = time.monotonic()
-        prep = prep or self._prepared()
-        payload = stdin.encode() if isinstance(stdin, str) else stdin
-        fresh = self._fresh(prep, probed)
-        while True:
-            marker = secrets.token_hex(8)
-            remote = sh_command(command, marker)
-            proc: subprocess.Popen[bytes] | openssh_mux.MuxSession | None = None
-            if not fresh and prep.control is not None and os.environ.get("DFO_MUX_CLIENT") != "0":
-                # over the shared connection without an ssh client of its own (openssh_mux); None: no master
-                # there, or one that would not open the session: the ssh client below makes or says it
-                proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None,
-                                                env=openssh_mux.send_env(self.host.ssh_resolved.get("sendenv", [])),
-                                                timeout=max(1.0, limit - (time.monotonic() - start)))
-            if proc is None:
-                argv = self._argv(prep, remote, fresh)
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe)
-            if result is not None:
-                return result
-            fresh = True  # the master failed before the session opened: once more, on a connection of its own
+        with CALLS.slot():  # a turn, where the open-file limit cannot hold every host's call at once
+            start = time.monotonic()
+            prep = prep or self._prepared()
+            payload = stdin.encode() if isinstance(stdin, str) else stdin
+            fresh = self._fresh(prep, probed)
+            while True:
+                marker = secrets.token_hex(8)
+                remote = sh_command(command, marker, start_marker=marker)
+                proc: subprocess.Popen[bytes] | openssh_mux.MuxSession | None = None
+                if not fresh and prep.control is not None and os.environ.get("DFO_MUX_CLIENT") != "0":
+                    # over the shared connection without an ssh client of its own (openssh_mux); None: no master
+                    # there, or one that would not open the session: the ssh client below makes or says it
+                    left = self.host.start_timeout - (time.monotonic() - start)
+                    proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None,
+                                                    env=openssh_mux.send_env(self.host.ssh_resolved.get("sendenv", [])),
+                                                    timeout=max(1.0, left))
+                if proc is None:
+                    argv = self._argv(prep, remote, fresh)
+                    feed = subprocess.PIPE if payload is not None else subprocess.DEVNULL
+                    try:
+                        proc = subprocess.Popen(argv, stdin=feed, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                start_new_session=True)
+                    except OSError as exc:  # out of descriptors, processes or memory here: said as such
+                        raise_if_resource(exc, self.name)
+                        raise
+                result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe)
+                if result is not None:
+                    return result
+                fresh = True  # the master failed before the session opened: once more, on a connection of its own
 
     def _collect(self, prep: keys.Prepared, proc: subprocess.Popen[bytes] | openssh_mux.MuxSession, command: str,
                  marker: str, start: float,
@@ -315,28 +310,32 @@ class OpenSSH(Transport):
             assert proc.stdin is not None
             threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True,
                              name=f"dfo-stdin-{self.name}").start()
-        err = _ErrScan(marker)
+        err = Marks(marker)
+        clock = CallClock(self.name, self.host.start_timeout, limit, start)
         ofd, efd = proc.stdout.fileno(), proc.stderr.fileno()
         if big_pipe:
             _grow_pipe(ofd)
         bufsize = PIPE_BIG if big_pipe else 65536
         open_fds = {ofd, efd}
+        sel = Selector()  # poll(2): a descriptor past 1023 is no trouble (select(2) fails there)
+        for fd in open_fds:
+            sel.register(fd, selectors.EVENT_READ)
         got_output = False
         ended: float | None = None  # when the command's shell ended (marker) or ssh exited
         try:
             while True:
                 now = time.monotonic()
-                if now - start > limit:
-                    raise HostError(f"remote command did not finish within {limit:g}s", host=self.name,
-                                    hint="the node may be overloaded or the link dead; retry, or raise the timeout")
-                ready = select.select(list(open_fds), [], [], SLICE_S)[0] if open_fds else []
+                clock.check(err.started, now)  # NotStarted before the node's side began, CallTimeout after
+                wait = min(SLICE_S, max(0.01, clock.left(now)))
+                ready = [key.fd for key, _ in sel.select(wait)] if open_fds else []
                 if not open_fds:  # ssh closed both pipes: it exits a moment later (no fixed sleep here)
-                    _wait_exit(proc, min(SLICE_S, max(0.0, limit - (now - start))))
+                    _wait_exit(proc, wait)
                 got = False
                 for fd in ready:
                     chunk = os.read(fd, bufsize)
                     if not chunk:
                         open_fds.discard(fd)
+                        sel.unregister(fd)
                     elif fd == ofd:
                         out.feed(chunk)
                         got = got_output = True
@@ -358,6 +357,7 @@ class OpenSSH(Transport):
             stop(proc)
             raise
         finally:
+            sel.close()
             if proc.poll() is None:
                 stop(proc)
             _drain(efd, open_fds, err)
@@ -443,15 +443,17 @@ def _wait_exit(proc: subprocess.Popen[bytes] | openssh_mux.MuxSession, seconds: 
         pass
 
 
-def _drain(fd: int, open_fds: set[int], err: _ErrScan) -> None:
+def _drain(fd: int, open_fds: set[int], err: Marks) -> None:
     """What ssh wrote on stderr before it ended (a child of ssh, a ProxyCommand, may hold the pipe open)."""
-    while fd in open_fds:
-        if not select.select([fd], [], [], 0.05)[0]:
-            return
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return
-        err.feed(chunk)
+    if fd not in open_fds:
+        return
+    with Selector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while sel.select(0.05):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            err.feed(chunk)
 
 
 __all__ = ["LOST_HINT", "OpenSSH"]

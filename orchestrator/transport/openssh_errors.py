@@ -16,10 +16,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from .. import errors
 from ..config.models import ResolvedHost
-from ..errors import ConfigError, ConnectionLost, DfoError, HostError, HostKeyError
-from .known_hosts import parse_line
+from ..errors import AuthFailed, ConfigError, ConnectionLost, DfoError, HostError, HostKeyError
+from .known_hosts import fingerprint, parse_line
 
 LOST_HINT = ("once the node answers again, run the same command again "
              "(provision, stage-model and sync-data resume where they stopped)")
@@ -33,8 +32,6 @@ def mux_failed_before_session(text: str) -> bool:
 
 
 def _line_fp(path: str, lineno: int) -> str | None:
-    from .openssh_keys import fingerprint
-
     try:
         line = Path(path).read_text(errors="replace").splitlines()[lineno - 1]
     except (OSError, IndexError):
@@ -43,19 +40,32 @@ def _line_fp(path: str, lineno: int) -> str | None:
     return fingerprint(got[3]) if got is not None and not isinstance(got, str) else None
 
 
-def _changed(host: ResolvedHost, text: str) -> HostKeyError:
+def _changed(host: ResolvedHost, prep: Any, text: str) -> HostKeyError:
+    """A changed key: every file and line that holds an old key for the host (ssh names only the first it
+    met), each with its `ssh-keygen -R`."""
+    from .known_hosts import changed, holding
+    from .openssh_keys import _files, key_kind
+
     label = _find(r"Host key for (\S+) has changed", text) or host.hostname
     kind = _find(r"The fingerprint for the (\S+) key sent", text) or "?"
     offered = _find(r"sent by the remote host is\s+(SHA256:[A-Za-z0-9+/=]+)", text) or "?"
-    where = re.search(r"Offending \S+ key in (.+?):(\d+)\s*$", text, re.M)
-    recorded, at, forget = "?", "", f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(host.known_hosts)}"
-    if where:
-        path, n = where.group(1), int(where.group(2))
-        recorded, at = _line_fp(path, n) or "?", f" ({path}:{n})"
-        forget = f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(path)}"
-    return HostKeyError(f"host key for {label} CHANGED: recorded {recorded}{at}, offered {offered} ({kind}); "
-                        "nothing was run", host=host.name,
-                        hint=f"if the node was really rebuilt, forget the old key with: {forget}")
+    strict = next((files for _, lab, files in getattr(prep, "user_strict", []) if lab == label), None)
+    files = strict if strict is not None else [host.known_hosts, *_files(host, "userknownhostsfile")]
+    files += _files(host, "globalknownhostsfile")
+    old = [(f, e) for f, e in holding(files, label)
+           if key_kind(e.key_type) == kind and fingerprint(e.blob) != offered]
+    if not old:  # nothing readable here says it: ssh's own words (the first file it met)
+        where = re.search(r"Offending \S+ key in (.+?):(\d+)\s*$", text, re.M)
+        recorded, at, path = "?", "", host.known_hosts
+        if where:
+            path, n = where.group(1), int(where.group(2))
+            recorded, at = _line_fp(path, n) or "?", f" ({path}:{n})"
+        return HostKeyError(f"host key for {label} CHANGED: recorded {recorded}{at}, offered {offered} ({kind}); "
+                            "nothing was run", host=host.name,
+                            hint="if the node was really rebuilt, forget the old key with: "
+                                 f"ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(path)}")
+    message, hint = changed(label, offered, kind, old)
+    return HostKeyError(message, host=host.name, hint=hint)
 
 
 def _revoked(host: ResolvedHost, prep: Any, text: str) -> HostKeyError:
@@ -88,6 +98,18 @@ def _unverified(host: ResolvedHost, prep: Any, text: str) -> HostKeyError:
             "first use where a @cert-authority line applies; nothing was run", host=host.name,
             hint="give the node a host certificate signed by that CA (sshd_config HostCertificate), or, if you "
                  f"trust its key, record it in {host.known_hosts} yourself")
+    strict = getattr(prep, "user_strict", [])
+    mine = next((s for s in strict if s[1] == label), strict[0] if len(strict) == 1 else None)
+    if mine is not None:  # the user's own StrictHostKeyChecking yes: their ssh would refuse it as well
+        theirs = mine[2][0] if mine[2] else "~/.ssh/known_hosts"
+        scan = f"ssh-keyscan {'-p ' + str(port) + ' ' if port != 22 else ''}{shlex.quote(name)}"
+        return HostKeyError(
+            f"host key for {label} is not in your known_hosts ({theirs}), and your ssh_config says "
+            f"StrictHostKeyChecking yes for {mine[0]}: dfo is never less strict than your ssh; nothing was run",
+            host=host.name,
+            hint=f"check the node's key out of band, then add it to {theirs} (`{scan}` prints it: compare its "
+                 "fingerprint first), or let dfo record it on first use: StrictHostKeyChecking accept-new for "
+                 "this host")
     return HostKeyError(f"host key for {label} is not known and ssh was told to check strictly"
                         + (f" ({cert})" if cert else "") + "; nothing was run", host=host.name,
                         hint="check StrictHostKeyChecking in your ssh_config")
@@ -108,7 +130,7 @@ def classify(host: ResolvedHost, prep: Any, text: str) -> DfoError:
     text = text.replace("\r", "")
     who = f"{host.user + '@' if host.user else ''}{host.hostname}"
     if "REMOTE HOST IDENTIFICATION HAS CHANGED" in text or re.search(r"Host key for \S+ has changed", text):
-        return _changed(host, text)
+        return _changed(host, prep, text)
     if "REVOKED HOST KEY" in text or "was revoked" in text:
         return _revoked(host, prep, text)
     if "host key is known for" in text:
@@ -123,16 +145,14 @@ def classify(host: ResolvedHost, prep: Any, text: str) -> DfoError:
                            hint="fix that file (see ssh_config(5)), then check with `ssh -G HOST`")
     m = re.search(r"^(\S+): Permission denied \(([^)]*)\)", text, re.M)
     many = re.search(r"Received disconnect from (\S+) port (\d+).*Too many authentication failures", text)
-    if m or many:
-        who = m.group(1) if m else f"{host.user}@{many.group(1) if many else host.hostname}"
-        why = f"it accepts: {m.group(2)}" if m else "too many keys offered"
-        auth = getattr(errors, "AuthFailed", None)  # errors.AUTH_HINTS: the same words on both transports
-        if auth is not None:
-            return auth(f"authentication failed for {who} ({why})", reason="too_many_keys" if many else "refused",
-                        host=host.name)
-        return HostError(f"authentication failed for {who} ({why})", host=host.name,
-                         hint="`ssh HOST true` must work first: load the key into ssh-agent (ssh-add), or set "
-                              "identity: in the inventory; with many keys in the agent, IdentitiesOnly yes")
+    if many:
+        who = m.group(1) if m else f"{host.user}@{many.group(1)}"
+        return AuthFailed(f"authentication failed for {who} (too many keys offered)", reason="too_many_keys",
+                          host=host.name)
+    if m:  # what the node still accepts says which fix it needs (openssh_auth)
+        from .openssh_auth import refused
+
+        return refused(host, m.group(1), m.group(2))
     m = re.search(r"Could not resolve hostname (\S+?):", text)
     if m:
         return HostError(f"{m.group(1)}: the host name does not resolve", host=host.name,

@@ -13,6 +13,11 @@
   user's) covers a host, that host must show a certificate from it or a key recorded by hand:
   StrictHostKeyChecking yes for the target (-o) and for each hop so covered (a ``Host`` block of
   this connection's config). ``@revoked`` lines are honoured by ssh in every file.
+* The user's ``StrictHostKeyChecking yes`` (read with ``ssh -G``, for the target and each ProxyJump hop)
+  holds: that host's key must be in the user's own known_hosts files, as their ssh wants it (dfo's file
+  and first use do not count there). Every other value (accept-new, ask, no, none set) keeps dfo's rule.
+* A ControlPath of the user's that is too long for a unix socket (ssh adds 17 bytes while it makes one;
+  104 bytes on macOS, 108 on Linux) is said once and passed over for dfo's own.
 """
 
 from __future__ import annotations
@@ -44,10 +49,7 @@ def key_kind(key_type: str) -> str:
 
 
 def fingerprint(blob: bytes) -> str:
-    import base64
-    import hashlib
-
-    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+    return known_hosts.fingerprint(blob)
 
 
 @dataclass
@@ -64,20 +66,14 @@ class Prepared:
     ca: list[tuple[str, Entry]] = field(default_factory=list)  # (file, line) of every CA line
     strict_hops: list[str] = field(default_factory=list)
     text: str = ""  # the config's text
+    # (the name ssh gets, its known_hosts label, the user's files) of each hop, and the target, whose user's
+    # ssh_config says StrictHostKeyChecking yes: its key must be in those files
+    user_strict: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
 
 def _lenient(path: str) -> list[Entry]:
     """The lines of a known_hosts file that is not dfo's (the user's): unreadable lines skipped, as ssh does."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
-    except OSError:
-        return []
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        got = parse_line(line)
-        if got is not None and not isinstance(got, str):
-            out.append(Entry(n, *got))
-    return out
+    return known_hosts.lenient(path)
 
 
 def _files(host: ResolvedHost, key: str) -> list[str]:
@@ -103,9 +99,12 @@ def covering(ca: list[tuple[str, Entry]], hostname: str, port: int) -> tuple[str
     return next(((f, e) for f, e in ca if any(e.matches(n) for n in names)), None)
 
 
-def _strict_hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]) -> list[str]:
-    """The names (as ssh gets them) of the ProxyJump hops a CA line covers; each resolved with ssh -G."""
+def _hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]
+          ) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """Of the ProxyJump hops (each resolved with ssh -G): the names (as ssh gets them) that a CA line covers,
+    and (name, label, the user's known_hosts files) of those whose user's StrictHostKeyChecking is yes."""
     out: list[str] = []
+    strict: list[tuple[str, str, list[str]]] = []
     spec, seen = host.proxy_jump, 0
     while spec and seen < setup.MAX_HOPS:
         hops = setup.jump_hops(spec)
@@ -115,12 +114,59 @@ def _strict_hops(host: ResolvedHost, ssh: str, ca: list[tuple[str, Entry]]) -> l
             opts = ([f"User={setup.q(user)}"] if user else []) + ([f"Port={port}"] if port else [])
             got = setup.ssh_g(ssh, Path(host.ssh_resolve or ""), name, opts, host.ssh_config or "ssh_config")
             hostname = (got.get("hostname") or [name])[0]
-            if covering(ca, hostname, int((got.get("port") or ["22"])[0])):
+            hport = int((got.get("port") or ["22"])[0])
+            if covering(ca, hostname, hport):
                 out.append(name)
+            if _user_strict(got):
+                strict.append((name, _key_label(got, hostname, hport), _user_files(got)))
             if i == 0:  # the first hop's own ProxyJump (ssh follows it)
                 own = (got.get("proxyjump") or [""])[0]
                 spec = own if own and own.lower() != "none" else None
-    return out
+    return out, strict
+
+
+def _user_strict(got: dict[str, list[str]]) -> bool:
+    """Whether the user's ssh_config says StrictHostKeyChecking yes (ssh -G: "true") for this host."""
+    return (got.get("stricthostkeychecking") or [""])[0].lower() in ("true", "yes")
+
+
+def _user_files(got: dict[str, list[str]]) -> list[str]:
+    return [f for v in got.get("userknownhostsfile", []) for f in v.split() if f.lower() != "none"]
+
+
+def _key_label(got: dict[str, list[str]], hostname: str, port: int) -> str:
+    """The name ssh looks a host's key up under: HostKeyAlias, else host or [host]:port."""
+    alias = (got.get("hostkeyalias") or ["none"])[0]
+    return alias if alias.lower() != "none" else setup.label(hostname, port)
+
+
+SUN_PATH = 104 if sys.platform == "darwin" else 108  # a unix socket's path, its NUL included
+_SAID_LONG: set[str] = set()
+
+
+def _too_long(host: ResolvedHost, path: str, base: Path) -> bool:
+    """Whether the user's ControlPath is too long for the socket ssh makes (its path plus the 17 bytes of
+    the temporary name ssh binds first): said once (a marker in dfo's folder; ``dfo -v`` says it each time)."""
+    n = len(path.encode("utf-8", "surrogateescape"))
+    if n + 17 < SUN_PATH:
+        return False
+    import hashlib
+
+    marker = base / f"said-controlpath-{hashlib.sha256(path.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}"
+    with _CLEAN_LOCK:
+        first = path not in _SAID_LONG and not marker.exists()
+        _SAID_LONG.add(path)
+    if first or os.environ.get("DFO_VERBOSE"):
+        sys.stderr.write(
+            f"dfo: {host.name}: the ControlPath your ssh_config gives ({path}) is {n} bytes, too long for a unix "
+            f"socket (its path holds {SUN_PATH - 1} bytes here, 103 on macOS, and ssh adds 17 while it makes one): "
+            f"ssh cannot share connections there (`ssh {host.alias or host.hostname}` fails too), so dfo uses its "
+            "own. A shorter one mends it: ControlPath ~/.ssh/cm-%C\n")
+        try:
+            marker.touch()
+        except OSError:
+            pass
+    return True
 
 
 _CLEANED: set[str] = set()  # the folders _clean_stale went through in this process
@@ -155,6 +201,56 @@ def _clean_stale(base: Path) -> None:
             pass
 
 
+@dataclass
+class _Policy:
+    """What dfo's host-key rules make of a host: its known_hosts lines, CA lines, strict hops and targets."""
+
+    dfo: KnownHosts
+    ca: list[tuple[str, Entry]]
+    target_strict: bool  # a @cert-authority line covers the target
+    strict_hops: list[str]  # ... or these hops
+    user_strict: list[tuple[str, str, list[str]]]  # see Prepared.user_strict
+
+
+def _policy(host: ResolvedHost, ssh: str) -> _Policy:
+    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
+    ca = ca_lines(host, dfo)
+    strict_hops, user_strict = _hops(host, ssh, ca) if host.proxy_jump else ([], [])
+    if _user_strict(host.ssh_resolved):
+        user_strict.insert(0, (host.alias or host.hostname, _key_label(host.ssh_resolved, host.hostname, host.port),
+                               _user_files(host.ssh_resolved)))
+    return _Policy(dfo, ca, covering(ca, host.hostname, host.port) is not None, strict_hops, user_strict)
+
+
+def _shared(host: ResolvedHost, base: Path, pol: _Policy) -> Path:
+    """dfo's own ControlPath for this host when connections outlive a command (ssh_persist > 0, and dfo login's
+    whatever ssh_persist says). What dfo's known_hosts says of the host is part of the name: a master that
+    verified the host under other lines (a key since changed, revoked, a new CA) is never reused; so are the
+    user's strict settings."""
+    names = [setup.label(host.hostname, host.port)] + [
+        setup.label(h, p or 22) for _, h, p in setup.jump_hops(host.proxy_jump or "")]
+    mine = sorted((e.marker or "", e.hosts, e.key_type, e.blob.hex()) for e in pol.dfo.entries
+                  if e.marker is not None or any(e.matches(n) for n in names))
+    extra: list[object] = [pol.user_strict] if pol.user_strict else []
+    return early_mod.control_path(base, host.user, host.hostname, host.port, host.proxy_jump, host.proxy_command,
+                                  host.ssh_resolve, host.known_hosts, pol.target_strict, pol.strict_hops,
+                                  host.ssh_options, mine, *extra)
+
+
+def control_of(host: ResolvedHost) -> tuple[Path, bool]:
+    """The ControlPath a master for this host lives at, and whether it is dfo's own (False: the user's
+    ssh_config's): where dfo login makes one and dfo logout ends it. Nothing is made."""
+    ssh = setup.usable_ssh()
+    if ssh is None or host.ssh_resolve is None:
+        raise ConfigError("dfo login needs an OpenSSH client (ssh 8.0 or newer) on PATH and transport: openssh",
+                          host=host.name, hint="install one (openssh-client)")
+    base = early_mod.state_dir()
+    user_path = (host.ssh_resolved.get("controlpath") or ["none"])[0]
+    if user_path.lower() != "none" and not _too_long(host, user_path, base):
+        return Path(user_path), False
+    return _shared(host, base, _policy(host, ssh)), True
+
+
 def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
     """This connection's set-up: its own 0700 folder with its config and new-keys file, and its ControlPath.
     ``early``: the ssh started at dfo's start-up for this host (openssh_early); its folder is taken over
@@ -164,38 +260,43 @@ def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
     if ssh is None or host.ssh_resolve is None:
         raise ConfigError("transport: openssh needs an OpenSSH client (ssh 8.0 or newer) on PATH",
                           host=host.name, hint="install one (openssh-client), or set transport: paramiko")
-    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
-    ca = ca_lines(host, dfo)
-    target_strict = covering(ca, host.hostname, host.port) is not None
-    strict_hops = _strict_hops(host, ssh, ca) if ca and host.proxy_jump else []
+    pol = _policy(host, ssh)
     base = early_mod.state_dir()
     _clean_stale(base)
     Path(host.known_hosts).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     resolved = Path(host.ssh_resolve).read_text().splitlines()
+    user_path = (host.ssh_resolved.get("controlpath") or ["none"])[0]
+    if user_path.lower() != "none" and _too_long(host, user_path, base):
+        user_path = "none"
+    # ssh_persist 0, but a master dfo login made is there: this command goes over it (never ends it)
+    login = None
+    if user_path.lower() == "none" and host.ssh_persist <= 0:
+        shared = _shared(host, base, pol)
+        login = shared if setup.master_answers(str(shared)) is True else None
 
     def made(folder: Path) -> tuple[str, Path | None, bool]:
         """The config text and (control path, dfo's own?) of a connection whose folder is ``folder``."""
         files = [str(folder / "new_keys"), host.known_hosts, *_files(host, "userknownhostsfile")]
         lines = ["# dfo: the settings of one connection to " + host.name.replace("\n", " ")
                  + " (orchestrator/transport/openssh_keys.py); removed when it closes"]
-        if strict_hops:
-            lines += ["Host " + " ".join(strict_hops), "  StrictHostKeyChecking yes"]
+        if pol.strict_hops:
+            lines += ["Host " + " ".join(pol.strict_hops), "  StrictHostKeyChecking yes"]
+        for name, _, theirs in pol.user_strict:  # the user's StrictHostKeyChecking yes: their files alone
+            lines += [f"Host {setup.q(name)}", "  StrictHostKeyChecking yes",
+                      f"  UserKnownHostsFile {setup.known_hosts_value(theirs) if theirs else '/dev/null'}"]
+        # dfo's rule for the rest (the user's ask or no as well): a new key recorded, a changed one refused
+        lines += ["Host *", "  StrictHostKeyChecking accept-new"]
+        if login is not None:
+            lines += [f"  ControlPath {setup.q(setup.pct(str(login)))}", "  ControlMaster no"]
         # the resolution config is copied in, not included: this connection never depends on a shared file
-        lines += ["Host *", f"  UserKnownHostsFile {setup.known_hosts_value(files)}", *resolved]
+        lines += [f"  UserKnownHostsFile {setup.known_hosts_value(files)}", *resolved]
         text = "\n".join(lines) + "\n"
-        user_path = (host.ssh_resolved.get("controlpath") or ["none"])[0]
         if user_path.lower() != "none":
             return text, Path(user_path), False
+        if login is not None:
+            return text, login, False
         if host.ssh_persist > 0:
-            # what dfo's known_hosts says of this host is part of the name: a master that verified the
-            # host under other lines (a key since changed, revoked, a new CA) is never reused
-            names = [setup.label(host.hostname, host.port)] + [
-                setup.label(h, p or 22) for _, h, p in setup.jump_hops(host.proxy_jump or "")]
-            mine = sorted((e.marker or "", e.hosts, e.key_type, e.blob.hex()) for e in dfo.entries
-                          if e.marker is not None or any(e.matches(n) for n in names))
-            return text, early_mod.control_path(base, host.user, host.hostname, host.port, host.proxy_jump,
-                                             host.proxy_command, host.ssh_resolve, host.known_hosts, target_strict,
-                                             strict_hops, host.ssh_options, mine), True
+            return text, _shared(host, base, pol), True
         # ssh_persist 0: a master of this command's own, in this connection's folder: the command's calls
         # share one connection; close() ends it and removes its socket with the folder
         return text, early_mod.own_control(folder), True
@@ -204,12 +305,12 @@ def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
         text, control, own = made(early.folder)
         if own and text == early.config_text and str(control) == early.control:
             return Prepared(ssh, early.folder, early.folder / "config", early.folder / "new_keys", control, own,
-                            target_strict, ca, strict_hops, text)
+                            pol.target_strict, pol.ca, pol.strict_hops, text, pol.user_strict)
     folder = early_mod.conn_folder(base)
     text, control, own = made(folder)
     early_mod.make_conn_folder(folder, text)
-    return Prepared(ssh, folder, folder / "config", folder / "new_keys", control, own, target_strict, ca, strict_hops,
-                    text)
+    return Prepared(ssh, folder, folder / "config", folder / "new_keys", control, own, pol.target_strict, pol.ca,
+                    pol.strict_hops, text, pol.user_strict)
 
 
 def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:

@@ -6,7 +6,7 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
   IdentitiesOnly, ProxyJump chains, FIDO keys... dfo hands ssh ONE file with ``-F`` (so every hop of a
   ProxyJump path gets it too: ssh passes -F, never -o, to the ssh it starts for a jump) that reads, in
   this order (the first value obtained wins in ssh_config):
-    1. dfo's policy for every hop (``POLICY``): BatchMode, dfo's known_hosts first, accept-new,
+    1. dfo's policy for every hop (``POLICY``): BatchMode, dfo's known_hosts first,
        HashKnownHosts no, UpdateHostKeys no, no CheckHostIP, keepalives, connect timeout, no tty,
        no forwardings, no RemoteCommand;
     2. the user's files: ``$DFO_SSH_CONFIG`` or the inventory's ``defaults.ssh_config`` alone (as
@@ -14,7 +14,9 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
     3. the inventory's defaults: port and proxy_jump for this host's alias only (``Match originalhost``),
        user and identity for it and its ProxyJump hops: they fill what ssh_config leaves unset;
     4. dfo's cipher preference (``CIPHERS_FIRST``, ssh 8.1+): AES-GCM first, ssh's own default list after
-       it, only where nothing above set Ciphers (a user's or the system's Ciphers line is used as it is).
+       it, only where nothing above set Ciphers (a user's or the system's Ciphers line is used as it is);
+       then StrictHostKeyChecking accept-new, so that `ssh -G` says the user's own setting where they made
+       one (a connection's config then sets dfo's rule first: yes where theirs is yes, else accept-new).
   The host's own inventory fields (port, user, identity, proxy_jump) go on the command line as ``-o``,
   so they win over everything (and apply to the target only, as ``ssh -o`` does).
 * The files live in dfo's own 0700 folder (``state_dir``): $XDG_RUNTIME_DIR/dfo-ssh, else
@@ -23,7 +25,8 @@ All of the OpenSSH transport's options live here, in one commented place (the ru
   UserKnownHostsFile = a fresh file of this connection's (new keys land there first), dfo's known_hosts,
   then the user's own known_hosts files (so keys the user's ssh already trusts are trusted), and
   StrictHostKeyChecking yes for the hops a @cert-authority line covers (a certificate, or a key recorded
-  by hand; never first use).
+  by hand; never first use), and for the hops whose user's setting is yes (their own known_hosts only:
+  dfo is never less strict than the user's ssh).
 * Connection sharing: ControlMaster auto, ControlPersist ``defaults.ssh_persist`` (60 s),
   ControlPath in dfo's folder (``cm-`` + a hash of user, host, port, path and config). With 0, no
   connection outlives the command: its calls share a master of its own, whose socket lives in the
@@ -154,7 +157,6 @@ def policy_lines(connect_timeout: float, interval: float, dead: float) -> list[s
     count = max(1, math.ceil(dead / every) - 1)
     return [
         "  BatchMode yes",  # never a prompt: dfo has no terminal (passphrases: ssh-agent)
-        "  StrictHostKeyChecking accept-new",  # a new host's key is recorded; a changed one refused
         "  HashKnownHosts no",  # dfo's known_hosts stays readable, one line per host
         "  UpdateHostKeys no",  # ssh never rewrites dfo's known_hosts
         "  CheckHostIP no",  # one line per host name, not name + address
@@ -217,43 +219,13 @@ def resolution_config(alias: str, explicit: str | None, policy: list[str], defau
     # put at the head of ssh's own default list, nothing removed from it (see CIPHERS_FIRST)
     if prefer_gcm:
         lines += ["Host *", f"  Ciphers {CIPHERS_FIRST}"]
+    # last as well: `ssh -G` then says the user's own StrictHostKeyChecking (accept-new where they set none);
+    # each connection's config (openssh_keys.prepare) puts dfo's rule first: yes where the user's is yes,
+    # accept-new for every other value (ask and no included: a new key recorded, a changed one refused)
+    lines += ["Host *", "  StrictHostKeyChecking accept-new"]
     return write_config("resolve", lines)
 
 
-def ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
-    """``ssh -G``: the settings ssh would use for ``alias`` (every keyword lower-case, its values). Its answer
-    is kept in dfo's ssh folder, keyed on everything ssh read to give it (``_g_inputs``), and used again while
-    none of that changed (at most G_CACHE_S): a warm command starts no `ssh -G` (issue 35)."""
-    import json
-
-    inputs = None if os.environ.get("DFO_SSH_G_CACHE") == "0" else _g_inputs(ssh, config)
-    cached: Path | None = None
-    if inputs is not None:
-        key = hashlib.sha256("\0".join([inputs, alias, *options]).encode()).hexdigest()[:32]
-        cached = state_dir() / "g" / f"{key}.json"
-        try:
-            if time.time() - cached.stat().st_mtime < G_CACHE_S:
-                doc = json.loads(cached.read_text())
-                if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):
-                    return {str(k): [str(x) for x in v] for k, v in doc.items()}
-        except (OSError, ValueError):
-            pass
-    out = _ssh_g(ssh, config, alias, options, where)
-    if cached is not None:
-        try:
-            cached.parent.mkdir(mode=0o700, exist_ok=True)
-            if not write_private(cached, json.dumps(out)):
-                os.utime(cached)  # the same answer again: fresh for another G_CACHE_S
-        except OSError:
-            pass  # no cache: the next command asks ssh again
-    return out
-
-
-def _ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
-    argv = [ssh, "-G", "-F", str(config)]
-    for o in options:
-        argv += ["-o", o]
-    argv += ["--", alias]
 G_CACHE_S = 3600.0  # a cached `ssh -G` answer is used for at most this long, even with its inputs unchanged
 _G_ENV = ("HOME", "USER", "LOGNAME", "SSH_AUTH_SOCK", "PATH")  # what ssh -G reads of the environment
 _INCLUDE = re.compile(r"^\s*include\s+(.+)$", re.I | re.M)
@@ -318,6 +290,40 @@ def _g_inputs(ssh: str, config: Path) -> str | None:
     return "\n".join(parts)
 
 
+def ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
+    """``ssh -G``: the settings ssh would use for ``alias`` (every keyword lower-case, its values). Its answer
+    is kept in dfo's ssh folder, keyed on everything ssh read to give it (``_g_inputs``), and used again while
+    none of that changed (at most G_CACHE_S): a warm command starts no `ssh -G` (issue 35)."""
+    import json
+
+    inputs = None if os.environ.get("DFO_SSH_G_CACHE") == "0" else _g_inputs(ssh, config)
+    cached: Path | None = None
+    if inputs is not None:
+        key = hashlib.sha256("\0".join([inputs, alias, *options]).encode()).hexdigest()[:32]
+        cached = state_dir() / "g" / f"{key}.json"
+        try:
+            if time.time() - cached.stat().st_mtime < G_CACHE_S:
+                doc = json.loads(cached.read_text())
+                if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):
+                    return {str(k): [str(x) for x in v] for k, v in doc.items()}
+        except (OSError, ValueError):
+            pass
+    out = _ssh_g(ssh, config, alias, options, where)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(mode=0o700, exist_ok=True)
+            if not write_private(cached, json.dumps(out)):
+                os.utime(cached)  # the same answer again: fresh for another G_CACHE_S
+        except OSError:
+            pass  # no cache: the next command asks ssh again
+    return out
+
+
+def _ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) -> dict[str, list[str]]:
+    argv = [ssh, "-G", "-F", str(config)]
+    for o in options:
+        argv += ["-o", o]
+    argv += ["--", alias]
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=G_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

@@ -142,8 +142,9 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         got = _resolve_openssh(inv, name, entry, alias, explicit, absolute)
         _say_unhonoured(name, _top_level_lookup(alias, explicit), got.ssh_resolved)
         jump = _fabric_jump(got.proxy_jump) if got.proxy_jump else None
+        strict = (got.ssh_resolved.get("stricthostkeychecking") or [""])[0].lower() in ("true", "yes")
         return got.model_copy(update={"transport": "paramiko", "proxy_jump": jump, "ssh_options": [],
-                                      "ssh_resolve": None, "ssh_resolved": {}})
+                                      "ssh_resolve": None, "ssh_resolved": {}, "strict_host_keys": strict})
     sshc = _ssh_config_lookup(alias, explicit) if transport == "paramiko" else {}
     _say_unhonoured(name, sshc)
     identities: list[str] = []
@@ -169,6 +170,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         workspace=entry.workspace or d.workspace,
         connect_timeout=d.connect_timeout,
         command_timeout=d.command_timeout,
+        start_timeout=d.start_timeout if entry.start_timeout is None else entry.start_timeout,
         gpus=entry.gpus,
         private_address=entry.private_address,
         alias=alias,
@@ -176,6 +178,7 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         ssh_persist=d.ssh_persist,
         user_known_hosts=[os.path.expanduser(f) for f in
                           str(sshc.get("userknownhostsfile") or "~/.ssh/known_hosts ~/.ssh/known_hosts2").split()],
+        strict_host_keys=str(sshc.get("stricthostkeychecking", "")).lower() == "yes",
     )
 
 
@@ -226,6 +229,7 @@ def _resolve_openssh(inv: Inventory, name: str, entry: HostEntry, alias: str, ex
         proxy_command=command, python=entry.python or d.python,
         workspace=entry.workspace or d.workspace, connect_timeout=d.connect_timeout,
         command_timeout=d.command_timeout, gpus=entry.gpus, private_address=entry.private_address,
+        start_timeout=d.start_timeout if entry.start_timeout is None else entry.start_timeout,
         alias=alias, ssh_options=own, ssh_config=explicit, ssh_resolve=str(config), ssh_resolved=got,
         ssh_persist=d.ssh_persist, user_known_hosts=[f for v in got.get("userknownhostsfile", []) for f in v.split()])
 

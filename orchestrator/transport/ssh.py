@@ -21,8 +21,10 @@ All SSH options live here, in one commented place:
   for 20 s and the link counts as dead: the call in flight raises ConnectionLost (exit 4), a long
   silent command on a live link runs on. A dead hop shows as a dead target link. The environment's
   DFO_ALIVE_INTERVAL_S and DFO_ALIVE_DEAD_S change the 5 and the 20 (the tests use a few seconds);
-* an explicit timeout on every call (``run(..., timeout=)``); Ctrl-C leaves at once (the loop
-  waits in 0.25 s slices);
+* an explicit timeout on every call (``run(..., timeout=)``), and before it the host's start_timeout: sh's
+  start marker on stderr must come within it (a node that takes the channel and hangs in its login:
+  NotStarted, exit 4; base.CallClock); Ctrl-C leaves at once (the loop waits in 0.25 s slices, with
+  poll(2) on the channel, never select(2), which fails past descriptor 1023);
 * commands run on a paramiko channel of fabric's transport, with dfo's own loop (streaming
   on_line, bounded stdout and stderr; ``run_stream``: binary stdout to the caller's on_data), not
   invoke's runners. Output is read to the channel's EOF
@@ -37,7 +39,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import select
+import secrets
+import selectors
 import shlex
 import threading
 import time
@@ -49,7 +52,19 @@ import paramiko
 
 from ..config.models import ResolvedHost
 from ..errors import AuthFailed, ConnectionLost, DfoError, HostError
-from .base import STREAM_PIECE, Result, Transport, _Collector, _Stream, _Tail, sh_command
+from .base import (
+    CALLS,
+    STREAM_PIECE,
+    CallClock,
+    Marks,
+    Result,
+    Selector,
+    Transport,
+    _Collector,
+    _Stream,
+    raise_if_resource,
+    sh_command,
+)
 from .hostkeys import fingerprint, host_key_error, label, new_client
 from .liveness import Liveness
 from .liveness import bounds as liveness_bounds
@@ -61,6 +76,7 @@ LOST_HINT = ("once the node answers again, run the same command again "
              "(provision, stage-model and sync-data resume where they stopped)")
 AFTER_EXIT_S = 2.0  # after the exit status, output is read to EOF, or until this long without a byte
 MAX_HOPS = 8  # a longer ProxyJump chain is a loop in ssh_config (Host * ProxyJump ...)
+SEND_AFTER_START = 1 << 20  # stdin past this (under sshd's 2 MiB channel window) is sent once the node's side started
 
 # paramiko logs its own tracebacks (banner errors, refused channels) to stderr; dfo reports those
 # failures itself, in one or two lines. DFO_DEBUG=1 shows paramiko's log again.
@@ -181,6 +197,7 @@ class _Hop(fabric.Connection):
                 raise _auth_failed(h, f"{self.user or '(default user)'}@{name}", exc) from None
             raise HostError(f"cannot connect to {name}: {exc}", host=h.name) from None
         except (OSError, EOFError) as exc:
+            raise_if_resource(exc, h.name)  # out of descriptors or memory here, not the node's doing
             raise HostError(f"cannot connect to {name}: {exc}", host=h.name) from None
 
     def close_path(self) -> None:
@@ -337,18 +354,56 @@ class Connection(Transport):
         transport = client.get_transport()
         if transport is None:
             raise self._lost("the connection closed before the command started")
+        with CALLS.slot():  # a turn, where the open-file limit cannot hold every host's call at once
+            return self._call(transport, command, limit, stdin, out, bufsize)
+
+    def _call(self, transport: paramiko.Transport, command: str, limit: float, stdin: bytes | str | None,
+              out: _Collector | _Stream, bufsize: int) -> Result:
+        """One command on a new channel: its node side starts within the host's start_timeout (sh's start marker
+        on stderr, base.CallClock), then it ends within ``limit`` s."""
         start = time.monotonic()
+        marker = secrets.token_hex(8)
         try:
             chan = transport.open_session(timeout=self.host.connect_timeout)
-            chan.exec_command(sh_command(command))  # under sh, whatever the login shell is
+            chan.exec_command(sh_command(command, start_marker=marker))  # under sh, whatever the login shell is
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise_if_resource(exc, self.name)
             raise self._lost(str(exc)) from None
+        err = Marks(marker)
+        clock = CallClock(self.name, self.host.start_timeout, limit, start)
+        sel = Selector()  # poll(2) on the channel's pipe: a descriptor past 1023 is no trouble
+        try:
+            sel.register(chan, selectors.EVENT_READ)
+            payload = stdin.encode() if isinstance(stdin, str) else stdin
+            if payload is not None and len(payload) > SEND_AFTER_START:
+                # more than the node's window takes unread: sendall would wait on a node whose side never
+                # started past start_timeout, so that start is waited for first
+                while not err.started and not chan.closed and transport.is_active():
+                    clock.check(False, time.monotonic())
+                    sel.select(min(0.25, max(0.01, clock.left(time.monotonic()))))
+                    while chan.recv_ready():
+                        out.feed(chan.recv(bufsize))
+                    while chan.recv_stderr_ready():
+                        err.feed(chan.recv_stderr(65536))
+            self._send(chan, transport, payload, limit)
+            code = self._collect(chan, transport, clock, out, err, bufsize, sel)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            if exc is out.raised:  # the caller's on_line failed here (an OSError on this machine): not the link
+                raise
+            raise self._lost(str(exc)) from None
+        finally:
+            sel.close()
+            _close_quietly(chan)
+        out.flush()
+        return Result(self.name, command, out.text(), err.text(), code, time.monotonic() - start)
+
+    def _send(self, chan: paramiko.Channel, transport: paramiko.Transport, payload: bytes | None, limit: float) -> None:
         try:
             chan.settimeout(max(limit, 1.0))  # a command that never reads its stdin cannot hold sendall past limit
-            if stdin is not None:
+            if payload is not None:
                 # a memoryview: paramiko's sendall slices what is left after every packet, which
                 # copies a bytes payload again each time (quadratic: 43 MB took 25 s, now 0.9 s)
-                chan.sendall(memoryview(stdin.encode() if isinstance(stdin, str) else stdin))  # type: ignore[arg-type]  # paramiko takes any buffer; its stubs say bytes
+                chan.sendall(memoryview(payload))  # type: ignore[arg-type]  # paramiko takes any buffer; its stubs say bytes
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if not transport.is_active():
@@ -356,49 +411,39 @@ class Connection(Transport):
                 raise self._lost(str(exc)) from None
             # the command ended (its channel closed) before it read all of its stdin: no lost link;
             # its output and exit code, collected below, say what happened
-        err = _Tail()
+
+    def _collect(self, chan: paramiko.Channel, transport: paramiko.Transport, clock: CallClock,
+                 out: _Collector | _Stream, err: Marks, bufsize: int, sel: selectors.BaseSelector) -> int:
+        """Read the channel to its end (``sel`` waits on it): the command's exit status."""
         exited: float | None = None  # when the exit status was seen (then again at each byte after it)
-        try:
-            while True:
-                if time.monotonic() - start > limit:
-                    _close_quietly(chan)
-                    raise HostError(
-                        f"remote command did not finish within {limit:g}s",
-                        host=self.name,
-                        hint="the node may be overloaded or the link dead; retry, or raise the timeout",
-                    )
-                select.select([chan], [], [], 0.25)
-                got = False
-                while chan.recv_ready():
-                    out.feed(chan.recv(bufsize))
-                    got = True
-                while chan.recv_stderr_ready():
-                    err.feed(chan.recv_stderr(65536))
-                    got = True
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    # sshd sends the exit status when the shell exits; output still in flight follows
-                    # it, up to the channel's EOF. Read on to that EOF, or AFTER_EXIT_S without a byte
-                    # (a process the command left behind holds the output open)
-                    now = time.monotonic()
-                    if chan.eof_received or chan.closed:
-                        break
-                    if got or exited is None:
-                        exited = now
-                    elif now - exited > AFTER_EXIT_S:
-                        break
-                if not got and (chan.closed or not transport.is_active()):
-                    if not transport.is_active():
-                        raise self._lost("the connection closed while a command ran")
+        while True:
+            now = time.monotonic()
+            clock.check(err.started, now)  # NotStarted before the node's side began, CallTimeout after
+            sel.select(min(0.25, max(0.01, clock.left(now))))
+            got = False
+            while chan.recv_ready():
+                out.feed(chan.recv(bufsize))
+                got = True
+            while chan.recv_stderr_ready():
+                err.feed(chan.recv_stderr(65536))
+                got = True
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                # sshd sends the exit status when the shell exits; output still in flight follows
+                # it, up to the channel's EOF. Read on to that EOF, or AFTER_EXIT_S without a byte
+                # (a process the command left behind holds the output open)
+                now = time.monotonic()
+                if chan.eof_received or chan.closed:
                     break
-            code = chan.recv_exit_status()
-            if code == -1 and not transport.is_active():
-                # a channel closed by a dead link reports "exit status ready" with no status
-                raise self._lost("the connection closed while a command ran")
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            if exc is out.raised:  # the caller's on_line failed here (an OSError on this machine): not the link
-                raise
-            raise self._lost(str(exc)) from None
-        finally:
-            _close_quietly(chan)
-        out.flush()
-        return Result(self.name, command, out.text(), err.text(), code, time.monotonic() - start)
+                if got or exited is None:
+                    exited = now
+                elif now - exited > AFTER_EXIT_S:
+                    break
+            if not got and (chan.closed or not transport.is_active()):
+                if not transport.is_active():
+                    raise self._lost("the connection closed while a command ran")
+                break
+        code = chan.recv_exit_status()
+        if code == -1 and not transport.is_active():
+            # a channel closed by a dead link reports "exit status ready" with no status
+            raise self._lost("the connection closed while a command ran")
+        return code

@@ -11,7 +11,10 @@ import time
 from remote._proto import RESULT_PREFIX, emit_event
 from remote._vendor.packaging.requirements import InvalidRequirement, Requirement
 from remote.env.pkgcheck import dist_key, first_line
-from remote.lib.fsutil import write_json  # noqa: F401 - re-exported: the one durable JSON writer
+from remote.lib.fsutil import (
+    room_problem,
+    write_json,  # noqa: F401 - re-exported: the one durable JSON writer
+)
 from remote.lib.redact import redact, redact_obj  # noqa: F401 - re-exported
 from remote.lib.triton_cache import cache_dir as triton_cache_path  # noqa: F401 - re-exported
 from remote.lib.triton_cache import dir_size  # noqa: F401 - re-exported
@@ -58,6 +61,9 @@ def pkgcheck(python: str, pins: list, overrides: list, names: list, candidates: 
                      % (python, proc.returncode, tail(proc.stderr.decode("utf-8", "replace"), 400)))
 
 
+CACHE_ROOM = 1 << 30  # below this free in the home (or a read-only one), pip and uv keep no download cache there
+
+
 class Installer:
     """Command lines for uv or pip, with the job's index options."""
 
@@ -76,6 +82,9 @@ class Installer:
             env[prefix + "FIND_LINKS"] = ("," if self.kind == "uv" else " ").join(secret_links)
         if self.kind == "pip":
             env.update(PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        if room_problem(os.path.expanduser("~/.cache"), CACHE_ROOM):  # a home read-only or short of room: the
+            env.setdefault("PIP_NO_CACHE_DIR", "1")  # installers keep no cache there (a wheel never fills it)
+            env.setdefault("UV_NO_CACHE", "1")
         return env
 
     def argv(self, reqs: list, overrides: bool = True) -> list:

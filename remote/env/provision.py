@@ -68,11 +68,13 @@ from remote.env.installers import (
 )
 from remote.env.probe import ensurepip, find_uv, interpreter
 from remote.lib.destsafety import open_meta
-from remote.lib.fsutil import human_bytes, node_path
+from remote.lib.fsutil import human_bytes, node_path, room_problem
 from remote.lib.fsutil import workspace as fsutil_workspace
 from remote.lib.redact import redact, redact_obj
 
 HISTORY = 10  # earlier runs kept in the record (started, ok, installed, changed, error)
+VENV_ROOM_PIP = 32 << 20  # a venv that `python3 -m venv` makes with pip: about 25 MB (python 3.11)
+VENV_ROOM_UV = 1 << 20  # uv's: no pip, a few links and files
 
 
 class Provision:
@@ -176,6 +178,11 @@ class Provision:
             raise StepFailed("the job's python %r is not on the node (PATH=%s)" % (py, os.environ.get("PATH", "")),
                              hint="install it there, or set python: in the job file to one the node has (python3)")
         uv = find_uv() if self.job.get("installer") == "uv" else None
+        short = room_problem(self.venv, VENV_ROOM_UV if uv else VENV_ROOM_PIP)  # before anything is written
+        if short:
+            raise StepFailed("cannot create the venv %s: %s" % (self.venv, short),
+                             hint="make room there, or set venv: in the job file to a folder on a disk with room "
+                                  "(e.g. under the workspace)")
         if not uv:  # `python -m venv` gives the venv its pip with ensurepip: say what is missing before it fails
             ep = ensurepip(exe)
             if not ep["ok"]:
@@ -191,8 +198,11 @@ class Provision:
         code, out = run_tool(argv, timeout=600)
         if code != 0 or not os.access(self.vpy, os.X_OK):
             shutil.rmtree(self.venv, ignore_errors=True)  # it did not exist before: leave nothing half-made
+            full = "No space left on device" in out or "Disk quota exceeded" in out
             raise StepFailed("creating the venv failed (%s, exit %d): %s" % (" ".join(argv), code, tail(out, 600)),
-                             hint="on Debian/Ubuntu, python3 -m venv needs the python3.X-venv package")
+                             hint="the disk that holds it is full: make room there, or set venv: to a folder on "
+                                  "a disk with room" if full else
+                                  "on Debian/Ubuntu, python3 -m venv needs the python3.X-venv package")
         return {"status": "done", "message": "created %s with %s (python %s)" % (self.venv, argv[0], _cfg_version(cfg)),
                 "command": " ".join(argv)}
 

@@ -42,7 +42,7 @@ import time
 from remote._proto import RemoteError, payload, serve
 from remote.lib import fastjson as json
 from remote.lib.destsafety import Tree, _check_ancestors, _open_child, _real, open_dest, refuse
-from remote.lib.fsutil import FILE_FLAGS, node_path, write_atomic
+from remote.lib.fsutil import FILE_FLAGS, node_path, room_problem, write_atomic
 from remote.lib.fsutil import workspace as fsutil_workspace
 
 # --------------------------------------------------------------------------- requests and replies
@@ -417,6 +417,11 @@ def _push(req, stream, want=None):
                         "count": len(files), "seconds": round(time.time() - started, 3)}
             took_over, released, files = (owner["job"] if owner else ""), sorted(files), {}  # released, none deleted
         deleted, kept = _delete(tree, files, req.get("delete", []))
+        need = sum(int(f.get("size") or 0) + 4096 for f in req.get("files", []))
+        short = room_problem(d.real, need) if need else None  # before a byte is written: never fill the disk
+        if short:
+            raise RemoteError("verify", "cannot push the code to %s: %s" % (d.real, short),
+                              hint="make room there, or set code.dest (or run.workdir) to a folder on a disk with room")
         tmp_fd = _open_child(d.meta_fd, TMP_DIR, os.path.join(d.real, ".dfo"), FIELD, 0o700, True, "the manifest")
         try:
             for stale in os.listdir(tmp_fd):

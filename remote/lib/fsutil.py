@@ -95,6 +95,31 @@ def _runnable(path: str) -> bool:
     return os.path.exists(path) and os.access(path, os.X_OK) and not os.path.isdir(path)
 
 
+ROOM_FLOOR = 4 << 20  # bytes a filesystem keeps free after a write of dfo's there (remote/_boot.py: FLOOR)
+
+
+def room_problem(path: str, need: int) -> str | None:
+    """Why the filesystem that would hold ``path`` (its nearest existing folder) cannot take ``need`` more bytes
+    and keep ROOM_FLOOR free (read-only, not writable, too little room: said in KB); None when it can. Checked
+    before dfo writes there, so that no write of dfo's fills a filesystem."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError as exc:
+        return "%s: %s" % (probe, exc.strerror or exc)
+    if st.f_flag & getattr(os, "ST_RDONLY", 1):
+        return "%s is on a read-only file system" % probe
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "%s is not writable by this user" % probe
+    free = st.f_bavail * st.f_frsize
+    if free < need + ROOM_FLOOR:
+        return "%s has %d KB free of the %d KB it needs (%d KB, and %d KB dfo leaves free)" % (
+            probe, free // 1024, (need + ROOM_FLOOR) // 1024, need // 1024, ROOM_FLOOR // 1024)
+    return None
+
+
 def human_bytes(n: float) -> str:
     """``1000 B``, ``1.5 KiB``, ``21.0 MiB``, ``10.04 GiB``: binary units, two decimals from GiB on
     (where one decimal could print the same number for what a transfer needs and what is free)."""

@@ -212,9 +212,22 @@ def resolve(req):
     if len(hits) == 1:
         return hits[0][1], hits[0][2]
     if not hits:
+        queued = _queued_ids(os.path.dirname(root))
+        hits = [r for r in queued if r == want] or [r for r in queued if r.startswith(want)]
+        if len(hits) == 1:  # a run of the queue (remote/runs/queue.py) that has not started
+            raise RemoteError("usage", "run %s is queued here and has not started yet" % hits[0],
+                              hint="see the queue: dfo queue -H HOST; take it out: dfo cancel -H HOST %s" % hits[0])
         raise RemoteError("usage", "no run %r %s" % (want, where), hint="dfo status -H HOST lists the runs")
     raise RemoteError("usage", "run %r is ambiguous: %s" % (want, ", ".join(r[1] for r in hits[:5])),
                       hint="give more of the id")
+
+
+def _queued_ids(dfo_dir):
+    """The ids waiting in the queue beside ``dfo_dir``/runs (remote/runs/queue.py keeps them)."""
+    try:
+        return [n for n in os.listdir(os.path.join(dfo_dir, "queue", "entries")) if not n.startswith(".")]
+    except OSError:
+        return []
 
 
 def describe(run_id, run_dir, tail=0, state=None):
@@ -239,6 +252,8 @@ def describe(run_id, run_dir, tail=0, state=None):
     sys_row, train = last_rows(os.path.join(run_dir, METRICS))
     if sys_row is not None or train is not None:  # the sampler's last rows (remote/runs/metrics.py)
         info["metrics"] = {"sys": sys_row, "train": train}
+    if "gpus" in meta:  # a run from the queue: the GPUs it was given (CUDA_VISIBLE_DEVICES)
+        info["gpus"] = meta["gpus"]
     if meta.get("generation"):  # a run that recovers: which generation of which lineage, restarts before it
         info["generation"] = meta["generation"]
     if meta.get("gang"):  # a node of a gang: its place, and what its gang watch recorded (gang.json)
@@ -346,6 +361,8 @@ def _start(req, run_id, run_dir, uploads):
         meta["outputs"] = dict((k, v) for k, v in ship.items() if k != "credentials")
     if isinstance(req.get("generation"), dict):
         meta["generation"] = req["generation"]
+    if "gpus" in req:  # a run from the queue (remote/runs/queue.py): its GPUs, and what the queue knew of it
+        meta["gpus"], meta["queue"] = req["gpus"], req.get("queue")
     gang = req.get("gang")
     if isinstance(gang, dict):  # a node of a gang: its place in meta.json; the secret to the supervisor's stdin alone
         meta["gang"] = {"rank": gang.get("rank"), "nodes": len(gang.get("hosts") or []), "hosts": gang.get("hosts"),

@@ -17,6 +17,10 @@ the trainer ends, end.json is written FIRST (the run's state is known at once), 
 its last pass and the supervisor waits for it, however long that takes. A stopped run gets its last
 pass too: its checkpoint is exactly what one wants shipped. A SIGTERM while the trainer runs ends the
 trainer (as before); one during the last pass is forwarded to the shipper.
+
+When the workspace has a run queue (``dfo submit``: remote/runs/queue.py), the supervisor moves it on
+right after end.json, before the last pass and the alerts: the next queued runs that fit in the GPUs its
+trainer gave back start, each under a supervisor of its own, with nobody else on the node or the laptop.
 """
 import json
 import os
@@ -235,6 +239,17 @@ def _start_sampler(run_dir, spec, proc, meta, notifier, trainer_path):
         return None
 
 
+def _queue_next(run_dir):
+    """The next queued runs that fit start (remote/runs/queue.py), when this workspace has a queue. Never raises."""
+    try:
+        if os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "queue", "entries")):
+            from remote.runs.queue import after_run
+
+            after_run(run_dir)
+    except Exception:  # noqa: BLE001 -- the queue is a courtesy here: never the supervisor's end
+        pass
+
+
 def supervise(run_dir, status_fd):
     spec = json.loads(sys.stdin.read() or "{}")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -329,6 +344,7 @@ def supervise(run_dir, status_fd):
         # dfo stop on this node (not the gang's own stop): the gang ends too, and says it was stopped
         watch.trainer_ended(code, how="stopped" if stop is not None and not asked.startswith("gang failed") else None)
     write_json(os.path.join(run_dir, END), end)
+    _queue_next(run_dir)  # its GPUs are free: the node's queue moves on now, before the last pass and alerts
     notifier.send("stopped" if end["stopped"] else "succeeded" if end["exit_code"] == 0 else "failed", end)
     if sampler is not None:
         sampler.stop()  # the log's last training figures and one last sample (after the alert: nvidia-smi may hang)
