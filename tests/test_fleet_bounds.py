@@ -28,11 +28,10 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.config.models import load_inventory
 from orchestrator.errors import EXIT_HOST
-from orchestrator.hosts import HostSession
 from orchestrator.transport.base import CallClock, CallTimeout, Marks, NotStarted, sh_command
 from tests._cli import cli_env, dfo_argv
+from tests.test_fleet_scale import _local_session
 
 START = 3.0  # the start_timeout of the test inventories
 SLACK = 6.0  # what a 2-core machine under other tests may add: dfo's start-up, the connection, the report
@@ -127,14 +126,6 @@ def test_the_call_clock_bounds_the_start_then_the_command() -> None:
     with pytest.raises(CallTimeout) as ct:
         c.check(False, 112.1)
     assert ct.value.limit == 10 and "did not finish within 10s" in ct.value.message
-
-
-def _local_session(tmp_path: Path, n: int) -> HostSession:
-    p = tmp_path / "inventory.yaml"
-    p.write_text(f"defaults: {{known_hosts: {tmp_path / 'kh'}}}\nhosts:\n"
-                 + "".join(f"  h{i:03d}: {{transport: local}}\n" for i in range(n)))
-    inv, path = load_inventory(p)
-    return HostSession.from_inventory(inv, path, [f"h{i:03d}" for i in range(n)])
 
 
 def test_a_call_works_with_descriptors_past_1023(tmp_path: Path) -> None:
