@@ -90,9 +90,9 @@ def agent_keys(sock: str | None, timeout: float = 2.0) -> set[bytes] | None:
     try:
         s.connect(sock)
         s.sendall(struct.pack(">IB", 1, 11))  # SSH_AGENTC_REQUEST_IDENTITIES
-        head = _recv(s, 4)
+        head = recv_exact(s, 4)
         (n,) = struct.unpack(">I", head)
-        body = _recv(s, min(n, 1 << 22))
+        body = recv_exact(s, min(n, 1 << 22))
     except (OSError, struct.error, ValueError):
         return None
     finally:
@@ -104,7 +104,8 @@ def agent_keys(sock: str | None, timeout: float = 2.0) -> set[bytes] | None:
     return {got[i] for i in range(0, len(got), 2)} if got else set()
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``s`` (an agent's or a master's unix socket); ValueError when it closes first."""
     buf = b""
     while len(buf) < n:
         chunk = s.recv(n - len(buf))

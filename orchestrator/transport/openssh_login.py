@@ -35,6 +35,7 @@ from ..errors import ConfigError, HostError
 from . import openssh_early as early_mod
 from . import openssh_keys as keys
 from . import openssh_setup as setup
+from .openssh_auth import recv_exact
 from .openssh_errors import classify
 
 MUX_C_ALIVE_CHECK = 0x10000004
@@ -83,26 +84,16 @@ def master_pid(path: str, timeout: float = setup.MUX_PROBE_S) -> int | None:
     try:
         s.connect(path)
         s.sendall(struct.pack(">III", 8, 1, 4))  # MUX_MSG_HELLO, version 4
-        head = _recv(s, 4)
-        _recv(s, struct.unpack(">I", head)[0])  # its hello (extensions unread)
+        head = recv_exact(s, 4)
+        recv_exact(s, struct.unpack(">I", head)[0])  # its hello (extensions unread)
         s.sendall(struct.pack(">III", 8, MUX_C_ALIVE_CHECK, 1))
-        body = _recv(s, struct.unpack(">I", _recv(s, 4))[0])
+        body = recv_exact(s, struct.unpack(">I", recv_exact(s, 4))[0])
         kind, _rid, pid = struct.unpack(">III", body[:12])
         return pid if kind == MUX_S_ALIVE else None
     except (OSError, struct.error, ValueError):
         return None
     finally:
         s.close()
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ValueError("closed")
-        buf += chunk
-    return buf
 
 
 def check(host: ResolvedHost) -> Shared:
