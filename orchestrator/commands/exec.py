@@ -83,7 +83,9 @@ def exec_cmd(ctx: click.Context, hosts: tuple[str, ...], as_json: bool, timeout:
     For pipes, globs or variables, give the shell yourself:
     dfo exec -H all -- bash -c 'nvidia-smi | head -5'. The command reads nothing
     (stdin is /dev/null) and runs in its own session on the node: --timeout, Ctrl-C or a
-    lost link end its whole process group.
+    lost link end its whole process group. Without --timeout the node needs only sh and
+    setsid (no Python starts there); with --timeout, dfo's node module (python3) keeps the
+    clock.
 
     Each line of output is printed as it arrives, prefixed "[host] " (stdout to stdout,
     stderr to stderr); each host's exit status goes to stderr as soon as that host is done,
@@ -95,7 +97,8 @@ def exec_cmd(ctx: click.Context, hosts: tuple[str, ...], as_json: bool, timeout:
     Exit code: the highest of the hosts' statuses (the command's own exit status; 124 for
     a --timeout; 128+N for a command killed by signal N; 4 for a host that could not be
     reached, or whose side did not start within its start_timeout, or that this machine had
-    no open files, processes or memory left for; 3 for a node without python3); 2 for bad usage.
+    no open files, processes or memory left for; 3 for a node without python3 where one is
+    needed: --timeout, or no setsid); 2 for bad usage.
     """
     starts: dict[str, float] = {}
     t0 = time.monotonic()

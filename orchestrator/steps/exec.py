@@ -7,6 +7,7 @@ variables, give the shell yourself: ``dfo exec -H all -- bash -c 'nvidia-smi | h
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,69 @@ def command_text(argv: Sequence[str]) -> str:
     return shlex.join(list(argv))
 
 
+# The node's side of a call without --timeout, in sh alone (no node Python: what pdsh's call costs, plus a few
+# builtins and one setsid). The user's login shell (when it reads sh text, else /bin/sh) runs the command with
+# -lc from $HOME, stdin /dev/null, as the leader of a new session (setsid), so its whole group can be killed. A
+# watcher reads the call's stdin, which dfo holds open and never writes: at EOF (dfo gone: Ctrl-C, a lost link
+# that sshd has dropped) it kills the group (TERM, then KILL GRACE_S later). A node without setsid says so
+# (NO_SETSID with the caller's nonce) and runs nothing: dfo then runs the node module instead.
+GRACE_S = 2
+NO_SETSID = "dfo-exec-no-setsid:"
+_SHELLS = "sh|bash|dash|zsh|ksh|mksh|ash|busybox"  # as remote/exec.py's POSIX_SHELLS
+
+
+def shell_script(argv: Sequence[str], nonce: str) -> str:
+    """The sh text of exec's shell path for ``argv`` (see above); ``nonce``: the caller's, for NO_SETSID."""
+    return "\n".join([
+        f"command -v setsid >/dev/null 2>&1 || {{ printf '%s\\n' {shlex.quote(NO_SETSID + nonce)} >&2; exit 0; }}",
+        's=${SHELL:-/bin/sh}',
+        f'case ${{s##*/}} in {_SHELLS}) ;; *) s=/bin/sh ;; esac',
+        '[ -x "$s" ] || s=/bin/sh',
+        'cd "$HOME" 2>/dev/null || cd /',
+        'exec 3<&0',
+        f'setsid "$s" -lc {shlex.quote(command_text(argv))} </dev/null 3<&- &',
+        'p=$!',
+        f'(read -r _; kill -TERM -"$p"; sleep {GRACE_S}; kill -KILL -"$p") <&3 3<&- >/dev/null 2>&1 &',
+        'w=$!',
+        'exec 3<&-',
+        'wait "$p" 2>/dev/null; c=$?',
+        'kill "$w" 2>/dev/null',
+        'exit "$c"',
+    ])
+
+
+def _shell_exec(conn: Transport, argv: Sequence[str], on_out: Callable[[list[str]], None] | None,
+                on_err: Callable[[list[str]], None] | None, keep: bool) -> ExecResult | None:
+    """exec without --timeout, over the transport's run_lines: None where there is none (paramiko, local)
+    or the node has no setsid (the caller runs the node module)."""
+    out, err = _Kept(), _Kept()
+    nonce = secrets.token_hex(8)
+    missing: list[bool] = []
+
+    def outs(lines: list[str]) -> None:
+        if keep:
+            out.add(lines)
+        if on_out is not None:
+            on_out(lines)
+
+    def errs(lines: list[str]) -> None:
+        if not missing and NO_SETSID + nonce in lines:
+            missing.append(True)
+            lines = [ln for ln in lines if ln != NO_SETSID + nonce]
+        if keep:
+            err.add(lines)
+        if on_err is not None and lines:
+            on_err(lines)
+
+    res = conn.run_lines(shell_script(argv, nonce), on_out=outs, on_err=errs, timeout=NO_LIMIT_S, alone=True)
+    if res is None or missing:
+        return None
+    code = res.exit_code
+    sig = code - 128 if 128 < code < 128 + 65 else None  # as the shell reports a command killed by signal N
+    return ExecResult(conn.name, code, res.seconds, signal=sig, stdout=out.text() if keep else None,
+                      stderr=err.text() if keep else None)
+
+
 def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = None,
             on_out: Callable[[list[str]], None] | None = None,
             on_err: Callable[[list[str]], None] | None = None, keep: bool = False) -> ExecResult:
@@ -85,6 +149,10 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
     ``timeout`` seconds the node kills the group: exit 124, timed_out. A node that has not said so
     CONTROLLER_MARGIN_S later (its python hung, say) has its call ended here: exit 124 too, ``unconfirmed``.
     A node whose side never starts is the host's start_timeout (transport.base.NotStarted, exit 4)."""
+    if not timeout:
+        done = _shell_exec(conn, argv, on_out, on_err, keep)
+        if done is not None:
+            return done
     out, err = _Kept(), _Kept()
 
     def on_event(ev: dict[str, Any]) -> None:

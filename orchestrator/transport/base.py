@@ -95,6 +95,19 @@ class Transport(ABC):
         default: nothing (the first call connects)."""
         return None
 
+    def run_lines(self, command: str, *, on_out: Callable[[list[str]], object],
+                  on_err: Callable[[list[str]], object], timeout: float | None = None,
+                  alone: bool = False) -> Result | None:
+        """``run`` for a plain command whose stdout and stderr both go, line by line, to the caller (dfo exec's
+        shell path): each batch of complete lines of a stream to ``on_out`` / ``on_err`` as it arrives (a
+        line longer than LINE_PIECE in pieces; nothing kept: ``Result.stdout`` and ``stderr`` are empty).
+        The command's stdin stays open, with nothing written, until the call ends: the node's side reads
+        EOF there once the caller is gone (Ctrl-C, a lost link), and can end what it started. ``alone``:
+        this is the connection's only call, so a connection made only for this command is not shared
+        (no master to start and end). What ``on_out``/``on_err`` raise ends the call and is raised as it is.
+        None: this transport has no such call (the caller runs a node module instead)."""
+        return None
+
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./:=,+-")
 _ESC = [chr(b) if b in _SAFE else f"\\{b:03o}" for b in range(256)]
@@ -256,6 +269,45 @@ class _Stream:
         return ""
 
 
+LINE_PIECE = 1 << 20  # run_lines: a longer line without a newline goes to the caller in pieces
+
+
+class _Lines:
+    """A stream's complete lines, in batches, to ``on_lines`` as they arrive (run_lines); nothing kept. The
+    _Collector's interface: feed, flush, text, raised."""
+
+    def __init__(self, on_lines: Callable[[list[str]], object]) -> None:
+        self.on_lines = on_lines
+        self.pending = b""
+        self.raised: BaseException | None = None  # what on_lines raised, if it did
+
+    def feed(self, data: bytes) -> None:
+        buf = self.pending + data
+        parts = buf.split(b"\n")
+        self.pending = parts.pop()
+        while len(self.pending) > LINE_PIECE:
+            parts.append(self.pending[:LINE_PIECE])
+            self.pending = self.pending[LINE_PIECE:]
+        self._give(parts)
+
+    def _give(self, parts: list[bytes]) -> None:
+        if not parts:
+            return
+        try:
+            self.on_lines([b.decode("utf-8", "replace") for b in parts])
+        except BaseException as exc:
+            self.raised = exc  # the caller's own failure: the transport raises it as it is
+            raise
+
+    def flush(self) -> None:
+        if self.pending:
+            rest, self.pending = self.pending, b""
+            self._give([rest])
+
+    def text(self) -> str:
+        return ""
+
+
 def _mib(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
@@ -311,18 +363,22 @@ class Marks:
     """A command's stderr into a _Tail, with dfo's markers (sh_command) taken out: ``started`` once the start
     marker came (or the exit marker: a command that ended had started), ``code`` the exit marker's status."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, lines: _Lines | None = None) -> None:
         m = re.escape(marker.encode())
         self.rx = re.compile(rb"\x1edfo-(?:start:" + m + rb"|exit:" + m + rb":(\d+))\x1e")
         self.longest = len(marker) + 24
         self.tail = _Tail()
+        self.lines = lines  # run_lines: stderr, markers taken out, to the caller too (line by line)
         self.carry = b""
         self.started = False
         self.code: int | None = None
 
     def feed(self, data: bytes) -> None:
         buf = self.carry + data
+        shown = 0 if self.started else -1  # where the command's own stderr begins in buf (-1: not yet)
         while (m := self.rx.search(buf)) is not None:
+            if not self.started:
+                shown = m.start()  # before it: ssh's and the login's words, kept for errors, never shown
             self.started = True
             if m.group(1) is not None:
                 self.code = int(m.group(1))
@@ -333,11 +389,17 @@ class Marks:
         else:
             self.carry = b""
         self.tail.feed(buf)
+        if self.lines is not None and 0 <= shown < len(buf):
+            self.lines.feed(buf[shown:])
 
     def text(self) -> str:
         if self.carry:
             self.tail.feed(self.carry)
+            if self.lines is not None and self.started:
+                self.lines.feed(self.carry)
             self.carry = b""
+        if self.lines is not None:
+            self.lines.flush()
         return self.tail.text()
 
 

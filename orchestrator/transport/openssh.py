@@ -50,6 +50,7 @@ from .base import (
     Selector,
     Transport,
     _Collector,
+    _Lines,
     _Stream,
     raise_if_resource,
     sh_command,
@@ -258,11 +259,21 @@ class OpenSSH(Transport):
         """``run`` with stdout in pieces to ``on_data`` (Transport.run_stream)."""
         return self._run(command, timeout, stdin, lambda: _Stream(on_data), big_pipe=True)
 
+    def run_lines(self, command: str, *, on_out: Callable[[list[str]], object],
+                  on_err: Callable[[list[str]], object], timeout: float | None = None,
+                  alone: bool = False) -> Result | None:
+        """``run`` with both streams to the caller line by line and stdin held open (Transport.run_lines).
+        ``alone`` with ``ssh_persist: 0``: no master is started for this one call (a plain ssh, as pdsh runs)."""
+        return self._run(command, timeout, None, lambda: _Lines(on_out), err_lines=lambda: _Lines(on_err),
+                         hold=True, alone=alone)
+
     def _run(self, command: str, timeout: float | None, stdin: bytes | str | None,
-             sink: Callable[[], _Collector | _Stream], big_pipe: bool = False,
-             prep: keys.Prepared | None = None, probed: bool | None | str = "") -> Result:
+             sink: Callable[[], _Collector | _Stream | _Lines], big_pipe: bool = False,
+             prep: keys.Prepared | None = None, probed: bool | None | str = "",
+             err_lines: Callable[[], _Lines] | None = None, hold: bool = False, alone: bool = False) -> Result:
         """One call: the node's side must start within the host's start_timeout, the command then ends within
-        ``timeout`` (default: command_timeout); both counted once the call has its descriptors (CALLS)."""
+        ``timeout`` (default: command_timeout); both counted once the call has its descriptors (CALLS).
+        ``hold``: stdin is a pipe held open, nothing written, until the call ends (run_lines)."""
         limit = timeout if timeout is not None else self.host.command_timeout
         if prep is None:  # (warm()'s call passes the set-up it was started for: never one made after a close())
             self._prepared()  # first: it may take over an early ssh, which this call then waits for
@@ -271,7 +282,11 @@ class OpenSSH(Transport):
             start = time.monotonic()
             prep = prep or self._prepared()
             payload = stdin.encode() if isinstance(stdin, str) else stdin
+            if probed == "" and prep.control is not None and not self._pass_over:
+                probed = setup.master_answers(str(prep.control))
             fresh = self._fresh(prep, probed)
+            if alone and probed is None and prep.own_control and self.host.ssh_persist <= 0:
+                fresh = True  # the command's own master would serve this one call and end: not worth its start
             while True:
                 marker = secrets.token_hex(8)
                 remote = sh_command(command, marker, start_marker=marker)
@@ -280,29 +295,31 @@ class OpenSSH(Transport):
                     # over the shared connection without an ssh client of its own (openssh_mux); None: no master
                     # there, or one that would not open the session: the ssh client below makes or says it
                     left = self.host.start_timeout - (time.monotonic() - start)
-                    proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None,
+                    proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None or hold,
                                                     env=openssh_mux.send_env(self.host.ssh_resolved.get("sendenv", [])),
                                                     timeout=max(1.0, left))
                 if proc is None:
                     argv = self._argv(prep, remote, fresh)
-                    feed = subprocess.PIPE if payload is not None else subprocess.DEVNULL
+                    feed = subprocess.PIPE if payload is not None or hold else subprocess.DEVNULL
                     try:
                         proc = subprocess.Popen(argv, stdin=feed, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                 start_new_session=True)
                     except OSError as exc:  # out of descriptors, processes or memory here: said as such
                         raise_if_resource(exc, self.name)
                         raise
-                result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe)
+                result = self._collect(prep, proc, command, marker, start, limit, payload, sink(), fresh, big_pipe,
+                                       err_lines() if err_lines is not None else None)
                 if result is not None:
                     return result
                 fresh = True  # the master failed before the session opened: once more, on a connection of its own
 
     def _collect(self, prep: keys.Prepared, proc: subprocess.Popen[bytes] | openssh_mux.MuxSession, command: str,
                  marker: str, start: float,
-                 limit: float, payload: bytes | None, out: _Collector | _Stream, fresh: bool,
-                 big_pipe: bool) -> Result | None:
+                 limit: float, payload: bytes | None, out: _Collector | _Stream | _Lines, fresh: bool,
+                 big_pipe: bool, err_lines: _Lines | None = None) -> Result | None:
         """Feed and read one ssh (started by _run, or at dfo's start-up) until it ends: its Result; None when
-        the shared master failed before the session opened (the caller makes the call again, fresh)."""
+        the shared master failed before the session opened (the caller makes the call again, fresh). A stdin
+        pipe with no ``payload`` is held open until the call ends (run_lines), then closed."""
         assert proc.stdout is not None and proc.stderr is not None
         with self._lock:
             self._running.add(proc)
@@ -310,7 +327,8 @@ class OpenSSH(Transport):
             assert proc.stdin is not None
             threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True,
                              name=f"dfo-stdin-{self.name}").start()
-        err = Marks(marker)
+        held = proc.stdin if payload is None else None
+        err = Marks(marker, err_lines)
         clock = CallClock(self.name, self.host.start_timeout, limit, start)
         ofd, efd = proc.stdout.fileno(), proc.stderr.fileno()
         if big_pipe:
@@ -361,8 +379,12 @@ class OpenSSH(Transport):
             if proc.poll() is None:
                 stop(proc)
             _drain(efd, open_fds, err)
-            for f in (proc.stdout, proc.stderr):
-                f.close()
+            for f in (proc.stdout, proc.stderr, held):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
             with self._lock:
                 self._running.discard(proc)
                 closed = proc in self._closed
