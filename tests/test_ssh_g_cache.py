@@ -80,3 +80,20 @@ def test_a_match_exec_is_never_cached(spy: tuple[str, Path, Path]) -> None:
     for n in (1, 2, 3):
         assert setup.ssh_g(ssh, config, "web", [], "test")["user"] == ["bob"]
         assert _calls(log) == n
+
+
+def test_a_host_resolved_again_by_a_later_command_runs_no_ssh_g(spy: tuple[str, Path, Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole path a command takes (its resolution config written, then `ssh -G`): the second command's
+    lookup is served from the cache. (Writing the config again used to set its time to now, one of the
+    cache's inputs: every command missed.)"""
+    ssh, _, log = spy
+    monkeypatch.setenv("PATH", f"{Path(ssh).parent}:{os.environ['PATH']}")
+
+    def lookup() -> dict[str, list[str]]:
+        return setup.resolve("web", ["Port=22"], {}, None, 10.0)[1]
+
+    assert lookup()["hostname"] == ["10.1.2.3"]
+    first = _calls(log)
+    time.sleep(0.01)  # a later command: the clock has moved
+    assert lookup()["hostname"] == ["10.1.2.3"] and _calls(log) == first

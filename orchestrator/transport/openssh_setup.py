@@ -197,8 +197,9 @@ def write_config(name: str, lines: list[str], *, folder: Path | None = None) -> 
     text = "\n".join(lines) + "\n"
     folder = folder or state_dir()
     path = folder / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.conf"
-    if not write_private(path, text):
-        os.utime(path)  # in use: openssh_keys.clean_stale removes only files unused for a week
+    # in use: write_private sets its time to now once a day (openssh_keys.clean_stale removes only files unused for
+    # a week); never more often: its mtime is one of `ssh -G`'s inputs (_g_inputs), which key that answer's cache
+    write_private(path, text)
     return path
 
 
