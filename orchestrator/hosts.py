@@ -14,7 +14,7 @@ from .errors import EXIT_UNEXPECTED, DfoError, HostError
 from .transport.base import resource_error  # here, not when needed: out of descriptors, no module can be read
 
 if TYPE_CHECKING:  # config (pydantic, yaml) and the transports (fabric, paramiko) load when a session opens
-    from .config.models import Inventory, ResolvedHost
+    from .config.inventory import Inventory, ResolvedHost
     from .transport.base import Transport
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class HostSession:
     """Hosts named by -H, each with at most one connection for the whole command."""
 
     def __init__(self, inventory: str | Path | None, targets: tuple[str, ...] | list[str]) -> None:
-        from .config.models import expand_targets, load_inventory
+        from .config.inventory import expand_targets, load_inventory
         from .transport import openssh_early
 
         self.inventory, self.inventory_path = load_inventory(inventory)
@@ -191,7 +191,10 @@ class HostSession:
         done: queue.Queue[Outcome[T]] = queue.Queue()
         gate = threading.Semaphore(parallel) if parallel else None
 
+        go = threading.Event()
+
         def run(name: str) -> None:
+            go.wait()  # every thread is started first: a start waits for its thread, which would run until it blocks
             try:
                 out = one(name, gate)
             except BaseException as exc:  # noqa: BLE001 - a SystemExit in a worker: its host still gets an
@@ -211,6 +214,7 @@ class HostSession:
                     raise
                 results[n] = Outcome(n, error=err)
                 done.put(results[n])
+        go.set()
         for _ in names:
             while True:
                 try:

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import COMMANDS, cli, load_command
-from orchestrator.config.models import HostEntry, Inventory, Job, load_inventory, load_job
+from orchestrator.config.models import HostEntrySchema, InventorySchema, Job, load_inventory, load_job
 from orchestrator.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 JOB_FILES = [*sorted((ROOT / "jobs").glob("*.yaml")), ROOT / "orchestrator" / "demo" / "job" / "demo.yaml"]
 
 JOB_KEYS = frozenset(Job.model_fields)
-INVENTORY_KEYS = frozenset(Inventory.model_fields)
-HOST_KEYS = frozenset(HostEntry.model_fields)
+INVENTORY_KEYS = frozenset(InventorySchema.model_fields)
+HOST_KEYS = frozenset(HostEntrySchema.model_fields)
 
 # (file, one line of the block as written, stripped) -> why it is shown though it does not load. Keep it
 # small: a documented example should load as written; list one here only when it is deliberately wrong.

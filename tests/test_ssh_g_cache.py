@@ -33,6 +33,8 @@ def spy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path, Pat
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     (tmp_path / "run").mkdir(mode=0o700)
     monkeypatch.delenv("DFO_SSH_G_CACHE", raising=False)
+    # each lookup below stands for a later command (a new process): nothing kept in this one
+    monkeypatch.setattr(setup, "G_INPUTS_S", 0.0)
     config = tmp_path / "resolve.conf"
     config.write_text("Host *\n  BatchMode yes\nInclude ~/.ssh/config\n")
     return str(exe), config, log

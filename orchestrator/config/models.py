@@ -1,4 +1,8 @@
-"""Pydantic models of inventory.yaml and job files (extra fields forbidden), and host resolution."""
+"""Pydantic models of inventory.yaml and job files (extra fields forbidden).
+
+The inventory's models here are its schema only: a validated inventory is made of the plain objects of
+orchestrator/config/inventory.py (re-exported here), which later commands rebuild from a record without
+loading pydantic (inventory.load_inventory)."""
 
 from __future__ import annotations
 
@@ -12,16 +16,23 @@ from pydantic_core import PydanticCustomError
 
 from remote.lib.redact import is_secret
 
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError
 from ..nodepath import canonical
 from . import rules as jobrules
 from . import sshvalues
 from .health import RunHealth
+from .inventory import (  # noqa: F401 - the plain inventory and host, re-exported
+    DEFAULT_KNOWN_HOSTS,
+    HostDefaults,
+    HostEntry,
+    Inventory,
+    ResolvedHost,
+    TransportName,
+    expand_targets,
+    load_inventory,
+)
 from .yamlpos import load_model
 
-DEFAULT_KNOWN_HOSTS = "~/.config/dfo/known_hosts"
-# ssh: the OpenSSH client when a usable one is on PATH, else paramiko; openssh, paramiko: that one; local: bash here
-TransportName = Literal["ssh", "openssh", "paramiko", "local"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -43,7 +54,7 @@ SshJump = Annotated[str, AfterValidator(sshvalues.ssh_jump)]
 NodeText = AfterValidator(sshvalues.plain_text)
 
 
-class HostDefaults(Strict):
+class HostDefaultsSchema(Strict):
     user: SshUser | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
     identity: SshPath | None = None
@@ -65,7 +76,7 @@ class HostDefaults(Strict):
     price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
-class HostEntry(Strict):
+class HostEntrySchema(Strict):
     host: SshHost | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
     user: SshUser | None = None
@@ -81,100 +92,27 @@ class HostEntry(Strict):
     price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
-class Inventory(Strict):
-    defaults: HostDefaults = Field(default_factory=HostDefaults)  # a factory: no validator built at import
-    hosts: dict[str, HostEntry] = {}
+class InventorySchema(Strict):
+    defaults: HostDefaultsSchema = Field(default_factory=HostDefaultsSchema)  # a factory: no validator built at import
+    hosts: dict[str, HostEntrySchema] = {}
     groups: dict[str, list[str]] = {}
 
     @field_validator("hosts")
     @classmethod
-    def _names(cls, v: dict[str, HostEntry]) -> dict[str, HostEntry]:
+    def _names(cls, v: dict[str, HostEntrySchema]) -> dict[str, HostEntrySchema]:
         for name in v:
             if not _NAME.match(name) or name == "all":
                 raise ValueError(f"host name {name!r} must be letters, digits, '.', '_' or '-' (and not 'all')")
         return v
 
 
-class ResolvedHost(BaseModel):
-    """Everything the connection layer needs for one host (after ~/.ssh/config)."""
-
-    model_config = ConfigDict(defer_build=True)
-
-    name: str
-    transport: TransportName = "ssh"  # as resolved: openssh, paramiko or local ("ssh": decided when it connects)
-    hostname: str = "localhost"
-    port: int = 22
-    user: str | None = None
-    identities: list[str] = []
-    known_hosts: str = DEFAULT_KNOWN_HOSTS
-    proxy_jump: str | None = None  # "a,b": through a, then b (ProxyJump)
-    proxy_command: str | None = None  # ~/.ssh/config ProxyCommand (when no ProxyJump applies)
-    python: str = "python3"
-    workspace: str | None = None  # None: the node's default workspace (decided on the node)
-    connect_timeout: float = 10.0
-    command_timeout: float = 600.0
-    start_timeout: float = 30.0  # the host's start_timeout, else the defaults' (HostDefaults.start_timeout)
-    gpus: int | None = None
-    private_address: str | None = None  # the inventory's hosts.NAME.private_address, else None
-    # the OpenSSH transport's (orchestrator/transport/openssh_setup.py): the name ssh is given, the host's own
-    # inventory fields as -o options, the ssh_config file dfo wrote for it, and `ssh -G`'s answer
-    alias: str | None = None
-    ssh_options: list[str] = []
-    ssh_config: str | None = None  # the user's own file (defaults.ssh_config or $DFO_SSH_CONFIG), else None
-    ssh_resolve: str | None = None
-    ssh_resolved: dict[str, list[str]] = {}
-    ssh_persist: float = 60.0
-    user_known_hosts: list[str] = []  # the user's own known_hosts files (ssh_config's UserKnownHostsFile): trusted too
-    strict_host_keys: bool = False  # the user's StrictHostKeyChecking yes: a key must be in user_known_hosts
-
-    @property
-    def gang_address(self) -> str:
-        """How the other nodes of a gang reach this one: private_address, else the SSH host name."""
-        return self.private_address or self.hostname
-
-    @property
-    def known_hosts_name(self) -> str:
-        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
-
-
-def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path]:
-    p = Path(path or os.environ.get("DFO_INVENTORY") or "inventory.yaml")
-    inv = load_model(p, Inventory, display=str(path or p))
-    for group, members in inv.groups.items():
-        for m in members:
-            if m not in inv.hosts and m not in inv.groups:
-                raise ConfigError(f"{p}: groups.{group}: unknown host {m!r}",
-                                  hint="add it under hosts: or fix the name")
-    return inv, p
-
-
-def expand_targets(inv: Inventory, targets: tuple[str, ...] | list[str], inv_path: Path) -> list[str]:
-    """Expand -H values (host names, group names, ``all``) into host names, in order, no repeats."""
-    if not targets:
-        raise UsageError("no host given", hint="pass -H HOST (a host, a group, or 'all')")
-    out: list[str] = []
-
-    def add(name: str, seen: tuple[str, ...] = ()) -> None:
-        if name == "all":
-            for h in inv.hosts:
-                add(h)
-        elif name in inv.groups:
-            if name in seen:
-                raise ConfigError(f"{inv_path}: groups.{name}: group includes itself")
-            for m in inv.groups[name]:
-                add(m, seen + (name,))
-        elif name in inv.hosts:
-            if name not in out:
-                out.append(name)
-        else:
-            known = ", ".join(list(inv.hosts) + list(inv.groups)) or "none"
-            raise UsageError(f"unknown host or group {name!r}", hint=f"known in {inv_path}: {known}, all")
-
-    for t in targets:
-        for piece in t.split(","):
-            if piece.strip():
-                add(piece.strip())
-    return out
+def validate_inventory(path: Path, display: str) -> Inventory:
+    """inventory.yaml at ``path`` validated by the schema above, as the plain objects every command uses;
+    ConfigError (exit 2) naming FILE:LINE: field for what is wrong (``display``: the name said)."""
+    got = load_model(path, InventorySchema, display=display)
+    return Inventory(defaults=HostDefaults(**got.defaults.model_dump()),
+                     hosts={name: HostEntry(**e.model_dump()) for name, e in got.hosts.items()},
+                     groups={name: list(members) for name, members in got.groups.items()})
 
 
 # --------------------------------------------------------------------------- job files

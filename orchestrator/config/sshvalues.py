@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import unicodedata
 
-from .rules import fail
-
 _QUOTES = "\"'`\\"
 _PATTERN = "*?!,"
+
+
+def _fail(message: str) -> Exception:
+    """The validation error of a rule broken (pydantic's, imported only here: the transports use the checks
+    above without loading pydantic)."""
+    from .rules import fail
+
+    return fail(message)
 
 
 def _shown(value: str) -> str:
@@ -85,28 +91,28 @@ def jump_problem(value: str) -> str | None:
 def ssh_host(value: str) -> str:
     why = word_problem(value, "a host name", pattern=True)
     if why is not None:
-        raise fail(why)
+        raise _fail(why)
     return value
 
 
 def ssh_user(value: str) -> str:
     why = word_problem(value, "a user name")
     if why is not None:
-        raise fail(why)
+        raise _fail(why)
     return value
 
 
 def ssh_path(value: str) -> str:
     why = path_problem(value)
     if why is not None:
-        raise fail(why)
+        raise _fail(why)
     return value
 
 
 def ssh_jump(value: str) -> str:
     why = jump_problem(value)
     if why is not None:
-        raise fail(why)
+        raise _fail(why)
     return value
 
 
@@ -114,5 +120,5 @@ def plain_text(value: str) -> str:
     """Text that reaches a node's command line (python, workspace): no control characters."""
     cc = control_char(value)
     if cc is not None:
-        raise fail(f"{_shown(value)} holds a control character ({cc})")
+        raise _fail(f"{_shown(value)} holds a control character ({cc})")
     return value

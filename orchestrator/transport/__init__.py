@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config.models import ResolvedHost
+    from ..config.inventory import ResolvedHost
     from .base import Transport
 
 

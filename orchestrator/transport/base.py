@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from ..errors import HostError, VerifyError
 
 if TYPE_CHECKING:
-    from ..config.models import ResolvedHost
+    from ..config.inventory import ResolvedHost
 
 STREAM_PIECE = 1 << 20  # run_stream: the most stdout handed to on_data at once
 STDERR_KEEP = 64 << 10  # a command's stderr: only its last 64 KiB are kept (error messages need the end)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import paramiko
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import HostKeyError
 from . import known_hosts
 from .known_hosts import Entry, KnownHosts

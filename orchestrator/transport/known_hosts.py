@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import os
@@ -152,8 +153,14 @@ def _check_hashed(hosts: str) -> str | None:
 
 def _glob(pattern: str, name: str) -> bool:
     """OpenSSH's match_pattern: only * and ? are special (so [host]:port is literal)."""
-    rx = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
-    return re.fullmatch(rx, name, flags=re.DOTALL) is not None
+    if "*" not in pattern and "?" not in pattern:
+        return pattern == name  # most lines: a name (a fleet's known_hosts is matched line by line, host by host)
+    return _glob_rx(pattern).fullmatch(name) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def _glob_rx(pattern: str) -> re.Pattern[str]:
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.DOTALL)
 
 
 def host_matches(hosts: str, label: str) -> bool:
@@ -179,6 +186,24 @@ class KnownHosts:
     def __init__(self, path: str, entries: list[Entry]) -> None:
         self.path = path
         self.entries = entries
+
+    @classmethod
+    def cached(cls, path: str) -> KnownHosts:
+        """``load``, parsed once per process while the file stays as it is (its size, mtime and inode): a command
+        on a fleet reads dfo's known_hosts for every host. Read-only: a writer loads the file itself, under
+        its lock."""
+        try:
+            st = os.stat(path)
+            key: tuple[object, ...] = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return cls.load(path)
+        with _PARSED_LOCK:
+            got = _PARSED.get(key)
+        if got is None:
+            got = cls.load(path)
+            with _PARSED_LOCK:
+                _PARSED[key] = got
+        return got
 
     @classmethod
     def load(cls, path: str) -> KnownHosts:
@@ -214,9 +239,28 @@ def fingerprint(blob: bytes) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+_PARSED: dict[tuple[object, ...], KnownHosts] = {}  # KnownHosts.cached, lenient: by path, size, mtime, inode
+_PARSED_LOCK = threading.Lock()
+
+
 def lenient(path: str) -> list[Entry]:
     """The lines of a known_hosts file that is not dfo's (the user's, the system's): unreadable lines skipped,
-    as ssh does; an absent or unreadable file is empty."""
+    as ssh does; an absent or unreadable file is empty. Parsed once per process while the file stays as it is."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    key = ("lenient", path, st.st_size, st.st_mtime_ns, st.st_ino)
+    with _PARSED_LOCK:
+        got = _PARSED.get(key)
+    if got is None:
+        got = KnownHosts(path, _lenient(path))
+        with _PARSED_LOCK:
+            _PARSED[key] = got
+    return list(got.entries)
+
+
+def _lenient(path: str) -> list[Entry]:
     try:
         text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
     except OSError:

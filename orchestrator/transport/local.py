@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..localenv import local_env
 from .base import (
     CALLS,

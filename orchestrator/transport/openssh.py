@@ -30,14 +30,13 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import ConnectionLost, DfoError, HostKeyError
 from . import openssh_early, openssh_mux
 from . import openssh_keys as keys
@@ -92,8 +91,9 @@ class OpenSSH(Transport):
                     except BaseException:
                         refused = early
                         raise
-                    if early is not None and prep.folder == early.folder \
-                            and self._argv(prep, "", False)[:-1] == early.argv:  # the same ssh, byte for byte:
+                    same = early is not None and prep.folder == early.folder \
+                        and self._argv(prep, "", False, make=False)[:-1] == early.argv  # the same ssh, byte for byte
+                    if early is not None and same:
                         self._running.add(early.proc)  # its call is this transport's first (close() stops it)
                         self._warming = _Warm(self.name, lambda warm: self._early_call(prep, early, warm))
                         _verbose(f"dfo: {self.name}: over the ssh started at dfo's start-up\n")
@@ -126,7 +126,7 @@ class OpenSSH(Transport):
         finally:
             if self.host.ssh_persist <= 0 and prep.own_control and prep.control is not None:
                 openssh_early.end_master(str(prep.control))  # no connection outlives the command
-            shutil.rmtree(prep.folder, ignore_errors=True)
+            openssh_early.remove_conn_folder(prep.folder)
 
     def reconnect(self) -> None:
         """The connection is suspect (a stream went silent, a call lost it): the next calls go over a new
@@ -209,8 +209,9 @@ class OpenSSH(Transport):
                 pass
         raise err
 
-    def _argv(self, prep: keys.Prepared, remote: str, fresh: bool) -> list[str]:
-        argv = [prep.ssh, "-F", str(prep.config), "-T"]
+    def _argv(self, prep: keys.Prepared, remote: str, fresh: bool, make: bool = True) -> list[str]:
+        """The ssh client's argv for ``remote``; ``make``: its folder made now (False: only its text)."""
+        argv = [prep.ssh, "-F", str(prep.ready() if make else prep.config), "-T"]
         for o in self.host.ssh_options:
             argv += ["-o", o]
         if prep.target_strict:
@@ -282,22 +283,32 @@ class OpenSSH(Transport):
             start = time.monotonic()
             prep = prep or self._prepared()
             payload = stdin.encode() if isinstance(stdin, str) else stdin
-            if probed == "" and prep.control is not None and not self._pass_over:
+            # over the shared connection without an ssh client of its own (openssh_mux), whose hello is the probe
+            # of the master; the ssh client (DFO_MUX_CLIENT=0) is sent to a master only once it answered
+            mux = prep.control is not None and os.environ.get("DFO_MUX_CLIENT") != "0"
+            if probed == "" and prep.control is not None and not self._pass_over and not mux:
                 probed = setup.master_answers(str(prep.control))
-            fresh = self._fresh(prep, probed)
-            if alone and probed is None and prep.own_control and self.host.ssh_persist <= 0:
+            fresh = self._fresh(prep, probed) if probed != "" else self._pass_over
+            own_only = alone and prep.own_control and self.host.ssh_persist <= 0
+            if own_only and probed is None:
                 fresh = True  # the command's own master would serve this one call and end: not worth its start
             while True:
                 marker = secrets.token_hex(8)
                 remote = sh_command(command, marker, start_marker=marker)
                 proc: subprocess.Popen[bytes] | openssh_mux.MuxSession | None = None
-                if not fresh and prep.control is not None and os.environ.get("DFO_MUX_CLIENT") != "0":
-                    # over the shared connection without an ssh client of its own (openssh_mux); None: no master
-                    # there, or one that would not open the session: the ssh client below makes or says it
+                if not fresh and mux:
+                    # None: no master there, a hung one, or one that would not open the session: the ssh client
+                    # below makes a master or says why
+                    assert prep.control is not None
                     left = self.host.start_timeout - (time.monotonic() - start)
+                    why: list[str] = []
                     proc = openssh_mux.open_session(str(prep.control), remote, stdin=payload is not None or hold,
                                                     env=openssh_mux.send_env(self.host.ssh_resolved.get("sendenv", [])),
-                                                    timeout=max(1.0, left))
+                                                    timeout=max(1.0, left), why=why, hello_s=setup.MUX_PROBE_S)
+                    if why == ["hung"]:
+                        fresh = self._fresh(prep, False)  # said once; dfo's socket removed, a user's passed over
+                    elif why == ["none"] and own_only:
+                        fresh = True
                 if proc is None:
                     argv = self._argv(prep, remote, fresh)
                     feed = subprocess.PIPE if payload is not None or hold else subprocess.DEVNULL
@@ -399,7 +410,7 @@ class OpenSSH(Transport):
             if not self._remembered and not fresh and prep.own_control and prep.control is not None:
                 self._remembered = True  # the connection works: how it was started, for the next command
                 openssh_early.remember(self.name, prep.folder, prep.text, str(prep.control), self.host.ssh_persist,
-                                       self._argv(prep, "", False)[:-1], keys.watched(self.host, prep))
+                                       self._argv(prep, "", False, make=False)[:-1], keys.watched(self.host, prep))
             return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
         text = err.text()
         if code != 255:

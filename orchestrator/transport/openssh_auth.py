@@ -26,7 +26,7 @@ import socket
 import struct
 from pathlib import Path
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import AuthFailed
 
 _INTERACTIVE = ("password", "keyboard-interactive")

@@ -52,10 +52,15 @@ ENV_KEYS = ("HOME", "PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "DFO_SSH_CONFIG
             "DFO_ALIVE_INTERVAL_S", "DFO_ALIVE_DEAD_S", "DFO_DEBUG")
 
 
+_STATE_DIRS: set[Path] = set()  # made and checked in this process (a fleet command asks several times a host)
+
+
 def state_dir() -> Path:
     """dfo's own folder for ssh: 0700, created on first use (control sockets, config files, records)."""
     run = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(run) / "dfo-ssh" if run and os.path.isdir(run) else cache_dir() / "ssh"
+    if base in _STATE_DIRS and os.path.isdir(base):
+        return base
     try:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = base.stat()
@@ -67,6 +72,7 @@ def state_dir() -> Path:
     except OSError as exc:
         raise ConfigError(f"{base}: cannot make dfo's ssh folder: {exc.strerror or exc}",
                           hint="check that your home (or $XDG_RUNTIME_DIR) is writable") from None
+    _STATE_DIRS.add(base)
     return base
 
 
@@ -129,9 +135,7 @@ class Early:
             end_master(self.control)
         elif not keep_master:
             end_master(self.control, stop_listening=True)
-        import shutil
-
-        shutil.rmtree(self.folder, ignore_errors=True)
+        remove_conn_folder(self.folder)
 
 
 class _Session:
@@ -346,6 +350,24 @@ def end_master(path: str, timeout: float = 0.5, stop_listening: bool = False) ->
 def conn_folder(base: Path) -> Path:
     """The path of a new connection's own folder, ``c-PID-TOKEN`` (openssh_keys._clean_stale reads the pid)."""
     return base / f"c-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def remove_conn_folder(folder: Path) -> None:
+    """Remove a connection's folder: its few files, then itself (rmtree's descriptor walk costs several
+    times more, paid once per host per command); rmtree where something else is there."""
+    try:
+        for name in os.listdir(folder):
+            try:
+                os.unlink(folder / name)
+            except FileNotFoundError:
+                pass  # a master that ended meanwhile removed its socket
+        os.rmdir(folder)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def make_conn_folder(folder: Path, config_text: str) -> None:

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import AuthFailed, ConfigError, ConnectionLost, DfoError, HostError, HostKeyError
 from .known_hosts import fingerprint, parse_line
 

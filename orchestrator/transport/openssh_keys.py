@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import ConfigError, HostKeyError
 from . import known_hosts
 from . import openssh_early as early_mod
@@ -69,6 +69,17 @@ class Prepared:
     # (the name ssh gets, its known_hosts label, the user's files) of each hop, and the target, whose user's
     # ssh_config says StrictHostKeyChecking yes: its key must be in those files
     user_strict: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    made: bool = True  # the folder and its files are there (False: made by ready(), before an ssh client runs)
+
+    def ready(self) -> Path:
+        """The config's path, the folder made first where it is not yet: a call over a master (openssh_mux)
+        starts no ssh client and needs no file of its own, so a warm command on a fleet writes none."""
+        if not self.made:
+            with _READY_LOCK:
+                if not self.made:
+                    early_mod.make_conn_folder(self.folder, self.text)
+                    self.made = True
+        return self.config
 
 
 def _lenient(path: str) -> list[Entry]:
@@ -170,6 +181,7 @@ def _too_long(host: ResolvedHost, path: str, base: Path) -> bool:
 
 
 _CLEANED: set[str] = set()  # the folders _clean_stale went through in this process
+_READY_LOCK = threading.Lock()
 _CLEAN_LOCK = threading.Lock()
 
 
@@ -213,7 +225,7 @@ class _Policy:
 
 
 def _policy(host: ResolvedHost, ssh: str) -> _Policy:
-    dfo = KnownHosts.load(host.known_hosts)  # a damaged line: exit 2 before anything connects
+    dfo = KnownHosts.cached(host.known_hosts)  # a damaged line: exit 2 before anything connects
     ca = ca_lines(host, dfo)
     strict_hops, user_strict = _hops(host, ssh, ca) if host.proxy_jump else ([], [])
     if _user_strict(host.ssh_resolved):
@@ -308,9 +320,9 @@ def prepare(host: ResolvedHost, early: Early | None = None) -> Prepared:
                             pol.target_strict, pol.ca, pol.strict_hops, text, pol.user_strict)
     folder = early_mod.conn_folder(base)
     text, control, own = made(folder)
-    early_mod.make_conn_folder(folder, text)
+    # the folder, where ssh reads this config and records a new host's key, is made when an ssh client is to run
     return Prepared(ssh, folder, folder / "config", folder / "new_keys", control, own, pol.target_strict, pol.ca,
-                    pol.strict_hops, text, pol.user_strict)
+                    pol.strict_hops, text, pol.user_strict, made=False)
 
 
 def merge_new_keys(host: ResolvedHost, prep: Prepared) -> None:

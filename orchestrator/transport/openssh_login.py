@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import ConfigError, HostError
 from . import openssh_early as early_mod
 from . import openssh_keys as keys
@@ -154,7 +154,7 @@ def login(host: ResolvedHost, persist: float | None = None) -> Shared:
         path.unlink()  # a stale socket (or a hung master's): ssh would not make a master over it
     prep = keys.prepare(host)
     try:
-        argv = [prep.ssh, "-F", str(prep.config), "-T"]
+        argv = [prep.ssh, "-F", str(prep.ready()), "-T"]
         for o in host.ssh_options:
             argv += ["-o", o]
         if prep.target_strict:

@@ -18,6 +18,7 @@ opened gives None: the caller starts the ssh client, which says why (or connects
 from __future__ import annotations
 
 import array
+import errno
 import os
 import socket
 import struct
@@ -153,20 +154,30 @@ def send_env(patterns: list[str], environ: Any = None) -> list[str]:
     return [f"{k}={v}" for k, v in env.items() if any(fnmatchcase(k, p) for p in want)]
 
 
-def open_session(path: str, command: str, *, stdin: bool, env: list[str], timeout: float) -> MuxSession | None:
+def open_session(path: str, command: str, *, stdin: bool, env: list[str], timeout: float,
+                 why: list[str] | None = None, hello_s: float = 10.0) -> MuxSession | None:
     """The session of ``command`` over the master listening at ``path``; None when it could not be opened
-    (no master, one that refuses, an unexpected answer): nothing ran, the ssh client is the way."""
+    (no master, one that refuses, an unexpected answer): nothing ran, the ssh client is the way. ``why``
+    gets the reason of a None: "none" (nobody listens there), "hung" (a master that did not answer the hello
+    within ``hello_s``: stopped or hung, as openssh_setup.master_answers says False) or "refused"."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     mine: list[int] = []  # our ends of the pipes (kept), theirs (closed once sent)
     theirs: list[int] = []
     ok = False
+    reason = "refused"
     try:
-        sock.settimeout(min(timeout, 10.0))
-        sock.connect(path)
+        wait = min(timeout, hello_s)
+        sock.settimeout(wait)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            reason = "none" if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK) else "hung"
+            raise
         reader = _Reader(sock)
         sock.sendall(_packet(struct.pack(">II", MUX_MSG_HELLO, MUX_VERSION)))
-        hello = reader.packet(block=True, deadline=time.monotonic() + min(timeout, 10.0))
+        hello = reader.packet(block=True, deadline=time.monotonic() + wait)
         if hello is None or len(hello) < 8 or struct.unpack(">II", hello[:8]) != (MUX_MSG_HELLO, MUX_VERSION):
+            reason = "hung" if hello is None else "refused"
             return None
         if stdin:
             r_in, w_in = os.pipe()
@@ -202,6 +213,8 @@ def open_session(path: str, command: str, *, stdin: bool, env: list[str], timeou
     except OSError:
         return None
     finally:
+        if not ok and why is not None:
+            why.append(reason)
         if not ok:
             for fd in theirs + mine:
                 try:

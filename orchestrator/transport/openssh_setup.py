@@ -74,8 +74,15 @@ CIPHERS_FIRST_SINCE = (8, 1)
 
 # ------------------------------------------------------------------------------------------ the binary
 
+_WHICH: dict[str, str | None] = {}  # PATH -> its ssh: every host of a command asks, several times each
+
+
 def ssh_binary() -> str | None:
-    return shutil.which("ssh")
+    """The ``ssh`` on PATH (looked up once per PATH in a process; None when there is none)."""
+    path = os.environ.get("PATH", "")
+    if path not in _WHICH:
+        _WHICH[path] = shutil.which("ssh")
+    return _WHICH[path]
 
 
 def ssh_version(path: str) -> tuple[int, int] | None:
@@ -86,6 +93,16 @@ def ssh_version(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    if key in _VERSIONS:
+        return _VERSIONS[key]
+    _VERSIONS[key] = got = _ssh_version(path, key)
+    return got
+
+
+_VERSIONS: dict[str, tuple[int, int] | None] = {}  # ssh_version's answers in this process, by the binary's stat
+
+
+def _ssh_version(path: str, key: str) -> tuple[int, int] | None:
     cache = cache_dir() / "ssh-version"
     try:
         k, _, v = cache.read_text().partition("\n")
@@ -234,6 +251,23 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MATCH_EXEC = re.compile(r"^\s*match\b.*\b(exec|localnetwork)\b", re.I | re.M)  # answers that vary by themselves
 
 
+G_INPUTS_S = 2.0  # _g_inputs is worked out once per config for this long: a command's hosts share it
+_G_INPUTS: dict[tuple[str, str, tuple[tuple[str, str], ...]], tuple[float, str | None]] = {}
+
+
+def _g_inputs_now(ssh: str, config: Path) -> str | None:
+    """_g_inputs, kept for G_INPUTS_S in this process (64 hosts read the same files once, not 64 times; a
+    long-lived command such as dfo watch still sees a change to the user's ssh_config seconds later)."""
+    key = (ssh, str(config), tuple(sorted(os.environ.items())))  # every ${VAR} the files may name
+    now = time.monotonic()
+    got = _G_INPUTS.get(key)
+    if got is not None and now - got[0] < G_INPUTS_S:
+        return got[1]
+    text = _g_inputs(ssh, config)
+    _G_INPUTS[key] = (now, text)
+    return text
+
+
 def _g_inputs(ssh: str, config: Path) -> str | None:
     """What `ssh -G` reads, as one text (its hash keys the cache), or None where its answer cannot be
     cached: a ``Match exec`` (runs a command: anything may change its answer) or a file that cannot be
@@ -297,7 +331,7 @@ def ssh_g(ssh: str, config: Path, alias: str, options: list[str], where: str) ->
     none of that changed (at most G_CACHE_S): a warm command starts no `ssh -G` (issue 35)."""
     import json
 
-    inputs = None if os.environ.get("DFO_SSH_G_CACHE") == "0" else _g_inputs(ssh, config)
+    inputs = None if os.environ.get("DFO_SSH_G_CACHE") == "0" else _g_inputs_now(ssh, config)
     cached: Path | None = None
     if inputs is not None:
         key = hashlib.sha256("\0".join([inputs, alias, *options]).encode()).hexdigest()[:32]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config.models import HostEntry, Inventory, ResolvedHost
+from ..config.inventory import HostEntry, Inventory, ResolvedHost
 from ..errors import ConfigError, UsageError
 
 # transport: ssh prefers the OpenSSH client (issue 18); False: paramiko unless `transport: openssh`
@@ -143,8 +143,8 @@ def resolve_host(inv: Inventory, name: str, inv_path: Path) -> ResolvedHost:
         _say_unhonoured(name, _top_level_lookup(alias, explicit), got.ssh_resolved)
         jump = _fabric_jump(got.proxy_jump) if got.proxy_jump else None
         strict = (got.ssh_resolved.get("stricthostkeychecking") or [""])[0].lower() in ("true", "yes")
-        return got.model_copy(update={"transport": "paramiko", "proxy_jump": jump, "ssh_options": [],
-                                      "ssh_resolve": None, "ssh_resolved": {}, "strict_host_keys": strict})
+        return got.replace(transport="paramiko", proxy_jump=jump, ssh_options=[], ssh_resolve=None, ssh_resolved={},
+                           strict_host_keys=strict)
     sshc = _ssh_config_lookup(alias, explicit) if transport == "paramiko" else {}
     _say_unhonoured(name, sshc)
     identities: list[str] = []

@@ -50,7 +50,7 @@ from typing import Any
 import fabric
 import paramiko
 
-from ..config.models import ResolvedHost
+from ..config.inventory import ResolvedHost
 from ..errors import AuthFailed, ConnectionLost, DfoError, HostError
 from .base import (
     CALLS,
