@@ -191,10 +191,7 @@ class HostSession:
         done: queue.Queue[Outcome[T]] = queue.Queue()
         gate = threading.Semaphore(parallel) if parallel else None
 
-        go = threading.Event()
-
         def run(name: str) -> None:
-            go.wait()  # every thread is started first: a start waits for its thread, which would run until it blocks
             try:
                 out = one(name, gate)
             except BaseException as exc:  # noqa: BLE001 - a SystemExit in a worker: its host still gets an
@@ -214,7 +211,6 @@ class HostSession:
                     raise
                 results[n] = Outcome(n, error=err)
                 done.put(results[n])
-        go.set()
         for _ in names:
             while True:
                 try:

@@ -76,17 +76,17 @@ def test_the_hubs_join_limit_covers_every_wave_of_set_ups() -> None:
     assert join_limit(256, 3) < join_limit(256, 10)
 
 
-# --------------------------------------------------------------------------- a gang of 20 on the testbed
+# --------------------------------------------------------------------------- a gang of 32 on the testbed
 
-GANG = 20
+GANG = 32  # the issue's size: twice the set-up bound (PARALLEL), past what 16 at a time ever let launch
 
 
 @pytest.mark.testbed
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_gang_past_16_nodes_launches_with_the_default_wait(make_testbed: Any, tmp_path: Path) -> None:
-    """20 nodes, the job's run.wait left at its default (60 s: launch watches each node that long). On the old
-    rule, nodes 17-20 started only once the first 16 watch windows ended, after rank 0's hub had given up
+    """32 nodes, the job's run.wait left at its default (60 s: launch watches each node that long). On the old
+    rule, nodes 17-32 started only once the first 16 watch windows ended, after rank 0's hub had given up
     on them (30 s join limit): exit 5. Now every rank starts at once and the gang succeeds; `dfo tail`
     shows each host's lines."""
     from tests._runs_fixtures import dfo, inventory_copy
@@ -115,15 +115,15 @@ def test_a_gang_past_16_nodes_launches_with_the_default_wait(make_testbed: Any, 
     for n in tb.nodes:
         mine = [ln for ln in t.stdout.splitlines() if ln.startswith(f"[{n.name}] ")]
         assert mine and mine[0].startswith(f"[{n.name}] rank=") and mine[-1] == f"[{n.name}] step 34", (n.name, mine)
-    # the hub's join limit scales with the fleet: two waves of set-ups (20 > PARALLEL) -> 30 + 1 * (3 + 10) s
+    # the hub's join limit scales with the fleet: two waves of set-ups (32 = 2 x PARALLEL) -> 30 + 1 * (3 + 10) s
     meta = json.loads(tb.node_exec(names[0], f"cat /workspace/.dfo/runs/{run}/meta.json").stdout)
     assert meta["gang"]["join_timeout"] == join_limit(GANG, 3) == 43.0, meta["gang"]
     st = dfo(inv, "status", "-H", "testbed", run, "--json", timeout=120)
     assert json.loads(st.stdout)["gang"]["state"] == "succeeded", st.stdout[-3000:]
-    print(f"20-node gang launched and ended in {took:.1f}s")
+    print(f"{GANG}-node gang launched and ended in {took:.1f}s")
 
     # tail is live on every host: relaunched (12 steps, no watch window), followed at once; each host's first
-    # line comes while every run still runs (on the old rule hosts 17-20 showed theirs once the first 16 ended)
+    # line comes while every run still runs (on the old rule hosts 17-32 showed theirs once the first 16 ended)
     job.write_text(job.read_text().replace("STEPS: '35'", "STEPS: '12'"))
     assert "STEPS: '12'" in job.read_text()
     r = dfo(inv, "launch", "-H", "testbed", "-j", str(job), "--wait", "0", "--json", timeout=300)

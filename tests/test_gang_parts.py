@@ -499,7 +499,7 @@ def test_the_gang_checks_on_two_real_nodes(testbed2, tmp_path: Path) -> None:  #
 
     try:
         assert check([a, b]) == []
-        wrong = a.model_copy(update={"private_address": "127.0.0.1"})  # node-b's own loopback: not node-a
+        wrong = a.replace(private_address="127.0.0.1")  # node-b's own loopback: not node-a
         probs = check([wrong, b])
         assert len(probs) == 1 and probs[0].startswith(f"{b.name} cannot reach {a.name} at 127.0.0.1:{port}: ")
         assert "refused" in probs[0] and f"hosts.{a.name}.private_address" in probs[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -24,7 +24,6 @@ from ..cli_common import (
     session,
     show_outcome,
 )
-from ..config.models import LoadedJob, RunConfig, load_job
 from ..diagnosis import render as render_diagnoses
 from ..errors import DfoError, UsageError
 from ..steps import fleet
@@ -48,6 +47,16 @@ from .runs_view import (
     render_status,
     state_markup,
 )
+
+if TYPE_CHECKING:
+    from ..config.models import LoadedJob
+
+
+def _load_job(path: str) -> LoadedJob:
+    """The job file (its models, pydantic and yaml, are loaded here: status and tail without -j never load them)."""
+    from ..config.models import load_job
+
+    return load_job(path)
 
 
 def _given_run(run: str | None, command: str) -> str | None:
@@ -104,7 +113,9 @@ def launch_cmd(ctx: click.Context, hosts: tuple[str, ...], job_path: str, wait: 
     outputs failed; 4 host unreachable; 5 the run died in the window (failed, stopped or
     lost); 130 Ctrl-C (the run goes on).
     """
-    loaded = load_job(job_path)
+    from ..config.models import RunConfig
+
+    loaded = _load_job(job_path)
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
     from .preflight import check_run  # launch only: status and tail need not import it
@@ -266,7 +277,7 @@ def tail_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, no_fol
     if not (lines.isdigit() or (lines.startswith("+") and lines[1:].isdigit())):
         raise UsageError(f"--lines {lines!r}: expected N or +N")
     start: int | str = lines if lines.startswith("+") else int(lines)
-    loaded = load_job(job_path) if job_path else None
+    loaded = _load_job(job_path) if job_path else None
     if from_s3:  # the copy the node's supervisor put beside the checkpoints (docs/metrics.md)
         from .plot import print_log_from_s3
 
@@ -308,7 +319,7 @@ def status_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str | None, job_
     4 host unreachable.
     """
     run = _given_run(run, "status")
-    loaded = load_job(job_path) if job_path else None
+    loaded = _load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
     def one(conn: Transport) -> list[steps.RunInfo]:
@@ -397,7 +408,7 @@ def stop_cmd(ctx: click.Context, hosts: tuple[str, ...], run: str, grace: float 
     outputs pass failed or did not finish within --outputs-wait; 4 host unreachable.
     """
     run = _given_run(run, "stop") or ""
-    loaded = load_job(job_path) if job_path else None
+    loaded = _load_job(job_path) if job_path else None
     sess = session(ctx, hosts)
 
     def one(conn: Transport) -> steps.RunInfo:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import click
 
 from ..cli_common import err_console, report_error, safe
-from ..config.models import LoadedJob
 from ..diagnosis import render as render_diagnoses
 from ..steps import fleet
 from ..steps import runs as steps
@@ -22,6 +21,7 @@ from ..steps.workspace import job_workspace
 from .runs_view import RECAP_LINES, LogLines, dfo_cmd, how, state_markup
 
 if TYPE_CHECKING:
+    from ..config.models import LoadedJob
     from ..hosts import HostSession, Outcome
     from ..transport.base import Transport
 

@@ -1,8 +1,7 @@
 """Pydantic models of inventory.yaml and job files (extra fields forbidden).
 
-The inventory's models here are its schema only: a validated inventory is made of the plain objects of
-orchestrator/config/inventory.py (re-exported here), which later commands rebuild from a record without
-loading pydantic (inventory.load_inventory)."""
+The inventory's schema lives in inventory_schema.py, its plain objects in hosttypes.py and its loader in
+inventory.py (a later command rebuilds it from a record without loading pydantic); all re-exported here."""
 
 from __future__ import annotations
 
@@ -19,101 +18,25 @@ from remote.lib.redact import is_secret
 from ..errors import ConfigError
 from ..nodepath import canonical
 from . import rules as jobrules
-from . import sshvalues
 from .health import RunHealth
-from .inventory import (  # noqa: F401 - the plain inventory and host, re-exported
+from .hosttypes import (  # noqa: F401 - the plain inventory and host, re-exported
     DEFAULT_KNOWN_HOSTS,
     HostDefaults,
     HostEntry,
     Inventory,
     ResolvedHost,
     TransportName,
-    expand_targets,
-    load_inventory,
+)
+from .inventory import expand_targets, load_inventory  # noqa: F401 - re-exported
+from .inventory_schema import (  # noqa: F401 - the inventory's schema, re-exported
+    NAME,
+    HostDefaultsSchema,
+    HostEntrySchema,
+    InventorySchema,
+    Strict,
+    validate_inventory,
 )
 from .yamlpos import load_model
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class Strict(BaseModel):
-    # defer_build: a model's validator is built when it first validates, not at import; a command pays only
-    # for the models it uses (status reads the inventory, never a job)
-    model_config = ConfigDict(extra="forbid", defer_build=True)
-
-
-# --------------------------------------------------------------------------- inventory
-
-
-# values that reach ssh_config or ssh's argv (orchestrator/config/sshvalues.py): no control characters, no
-# blanks where ssh reads one word; numbers finite (a ConnectTimeout of inf is no number ssh takes)
-SshHost = Annotated[str, AfterValidator(sshvalues.ssh_host)]
-SshUser = Annotated[str, AfterValidator(sshvalues.ssh_user)]
-SshPath = Annotated[str, AfterValidator(sshvalues.ssh_path)]
-SshJump = Annotated[str, AfterValidator(sshvalues.ssh_jump)]
-NodeText = AfterValidator(sshvalues.plain_text)
-
-
-class HostDefaultsSchema(Strict):
-    user: SshUser | None = None
-    port: int | None = Field(default=None, ge=1, le=65535)
-    identity: SshPath | None = None
-    known_hosts: SshPath = DEFAULT_KNOWN_HOSTS
-    python: Annotated[str, NodeText, AfterValidator(canonical)] = "python3"
-    # None: the node's default, /workspace when its user can write it, else ~/workspace (remote/lib/fsutil.py)
-    workspace: Annotated[str, NodeText, AfterValidator(jobrules.node_path)] | None = None
-    connect_timeout: float = Field(default=10.0, gt=0, allow_inf_nan=False)
-    command_timeout: float = Field(default=600.0, gt=0, allow_inf_nan=False)
-    # seconds from a call's start (its connection included) until the node's side runs dfo's command; past it
-    # the host does not answer (exit 4), whatever the call's own timeout (orchestrator/transport/base.py CallClock)
-    start_timeout: float = Field(default=30.0, gt=0, allow_inf_nan=False)
-    proxy_jump: SshJump | None = None
-    transport: TransportName | None = None  # every host's, unless its own entry says otherwise
-    # OpenSSH: seconds a shared connection outlives dfo; 0: off
-    ssh_persist: float = Field(default=60.0, ge=0, allow_inf_nan=False)
-    ssh_config: SshPath | None = None  # OpenSSH and paramiko: this ssh_config file only (as ssh -F)
-    # every host's, unless its own entry says otherwise
-    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-
-
-class HostEntrySchema(Strict):
-    host: SshHost | None = None
-    port: int | None = Field(default=None, ge=1, le=65535)
-    user: SshUser | None = None
-    identity: SshPath | None = None
-    gpus: int | None = Field(default=None, ge=0)
-    python: Annotated[str, NodeText, AfterValidator(canonical)] | None = None
-    workspace: Annotated[str, NodeText, AfterValidator(jobrules.node_path)] | None = None
-    proxy_jump: SshJump | None = None
-    transport: TransportName | None = None  # default: defaults.transport, else ssh
-    private_address: SshHost | None = None  # how the other nodes of a gang reach this one; default: host
-    start_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # default: defaults.start_timeout
-    # what the node costs (status, top, report)
-    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-
-
-class InventorySchema(Strict):
-    defaults: HostDefaultsSchema = Field(default_factory=HostDefaultsSchema)  # a factory: no validator built at import
-    hosts: dict[str, HostEntrySchema] = {}
-    groups: dict[str, list[str]] = {}
-
-    @field_validator("hosts")
-    @classmethod
-    def _names(cls, v: dict[str, HostEntrySchema]) -> dict[str, HostEntrySchema]:
-        for name in v:
-            if not _NAME.match(name) or name == "all":
-                raise ValueError(f"host name {name!r} must be letters, digits, '.', '_' or '-' (and not 'all')")
-        return v
-
-
-def validate_inventory(path: Path, display: str) -> Inventory:
-    """inventory.yaml at ``path`` validated by the schema above, as the plain objects every command uses;
-    ConfigError (exit 2) naming FILE:LINE: field for what is wrong (``display``: the name said)."""
-    got = load_model(path, InventorySchema, display=display)
-    return Inventory(defaults=HostDefaults(**got.defaults.model_dump()),
-                     hosts={name: HostEntry(**e.model_dump()) for name, e in got.hosts.items()},
-                     groups={name: list(members) for name, members in got.groups.items()})
-
 
 # --------------------------------------------------------------------------- job files
 
@@ -253,7 +176,7 @@ class RunConfig(Strict):
     @classmethod
     def _one_group(cls, v: dict[str, str]) -> dict[str, str]:
         for name, pat in v.items():
-            if not _NAME.match(name):
+            if not NAME.match(name):
                 raise jobrules.fail(f"{name!r}: a metric's name is letters, digits, '.', '_' or '-'")
             try:
                 groups = re.compile(pat).groups
@@ -277,7 +200,7 @@ class RunConfig(Strict):
     @classmethod
     def _spare_names(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not _NAME.match(name):
+            if not NAME.match(name):
                 raise ValueError(f"spare {name!r} must be a host or group name of the inventory")
         if len(set(v)) != len(v):
             raise ValueError("a spare is named twice")
@@ -322,7 +245,7 @@ class Job(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
+        if not NAME.match(v):
             raise ValueError("must be letters, digits, '.', '_' or '-'")
         return v
 

@@ -12,19 +12,22 @@ credentials.
 from __future__ import annotations
 
 import re
-from typing import Any
-
-from pydantic_core import PydanticCustomError
+from typing import TYPE_CHECKING, Any
 
 from remote.lib.redact import redact
 
 from ..nodepath import canonical, in_home
+
+if TYPE_CHECKING:
+    from pydantic_core import PydanticCustomError
 
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
 PLACEHOLDERS = ("python", "model.dest", "data.dest", "workspace", "run_id", "run_dir")
 
 
 def fail(message: str) -> PydanticCustomError:
+    from pydantic_core import PydanticCustomError  # here: what reads only PLACEHOLDERS loads no pydantic
+
     return PydanticCustomError("dfo_job", "{message}", {"message": message})
 
 

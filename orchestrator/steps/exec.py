@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..agent import NODE, run_module
 from ..transport.base import CallTimeout, Transport
 
 NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
@@ -153,6 +152,8 @@ def exec_on(conn: Transport, argv: Sequence[str], *, timeout: float | None = Non
         done = _shell_exec(conn, argv, on_out, on_err, keep)
         if done is not None:
             return done
+    from ..agent import NODE, run_module  # the node module's path only (the shell path needs none of it)
+
     out, err = _Kept(), _Kept()
 
     def on_event(ev: dict[str, Any]) -> None:

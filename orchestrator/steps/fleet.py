@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from ..config.models import LoadedJob
 from ..errors import EXIT_RUN, EXIT_VERIFY, ConnectionLost, DfoError, UsageError
 from ..hosts import HostSession, Outcome, error_json, exit_code_of
 from . import runs
@@ -25,6 +24,7 @@ from .gang import is_gang
 from .workspace import job_workspace
 
 if TYPE_CHECKING:
+    from ..config.models import LoadedJob
     from ..transport.base import Transport
 
 Lines = Callable[[str], None]

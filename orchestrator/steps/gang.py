@@ -14,12 +14,15 @@ import secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import nodepath
-from ..config.models import Job, ResolvedHost, RunConfig
 from ..errors import ConfigError, UsageError
 from .runs import render_command
+
+if TYPE_CHECKING:
+    from ..config.inventory import ResolvedHost
+    from ..config.models import Job, RunConfig
 
 WATCH_PORT_OFFSET = 1  # the gang watch's hub listens on rdzv_port + 1 on rank 0
 

@@ -12,14 +12,17 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..agent import NODE, run_module
-from ..config.models import Inventory, LoadedJob
 from ..errors import ConfigError, UsageError
 from ..transport.base import Transport
 from . import noderows
 from .runs import RunInfo
+
+if TYPE_CHECKING:
+    from ..config.inventory import Inventory
+    from ..config.models import LoadedJob
 
 
 def fetch(conn: Transport, workspace: str | None, run: str | None = None, job: str | None = None,

@@ -11,15 +11,17 @@ outputs.path on the node is missing or empty (restore), with sync-data's engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from ..agent import NODE, run_module
-from ..config.models import LoadedJob, OutputsConfig
 from ..errors import RemoteCommandError
 from ..transport.base import Transport
 from .report import MoveReport
+
+if TYPE_CHECKING:
+    from ..config.models import LoadedJob, OutputsConfig
 
 
 def files(n: int) -> str:

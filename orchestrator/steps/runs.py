@@ -20,21 +20,22 @@ import shlex
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from .. import nodepath
 from ..agent import NODE, run_module
-from ..config.models import Job, LoadedJob, RunConfig, is_secret_env
 from ..config.rules import PLACEHOLDERS, fill_placeholders
-from ..config.yamlpos import line_in_file
 from ..diagnosis import Diagnosis, diagnose
 from ..errors import ConfigError
 from ..transport.base import Transport
 from . import logstream
 from .logstream import LINE_MAX, RECONNECT_BUDGET_S, SPLIT_MARK, STALL_S, LineSplitter  # noqa: F401 (re-exported)
 from .workspace import job_workspace, run_dir_of
+
+if TYPE_CHECKING:  # the job's models (pydantic, yaml): loaded by what reads a job, not by status or tail
+    from ..config.models import Job, LoadedJob
 
 TAIL_FOR_DIAGNOSIS = 80
 
@@ -241,6 +242,9 @@ def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
     """(plain, secret) environment for the trainer. Secret names and values holding URL credentials
     (orchestrator.config.models.is_secret_env) keep their values off the node's disk; a run.secret_env name
     absent from run.env takes its value from this shell's environment."""
+    from ..config.models import RunConfig, is_secret_env
+    from ..config.yamlpos import line_in_file
+
     job, run = loaded.job, loaded.need("run")
     assert isinstance(run, RunConfig)
     plain = {k: v for k, v in run.env.items() if not is_secret_env(k, job, v)}
@@ -259,6 +263,8 @@ def split_env(loaded: LoadedJob) -> tuple[dict[str, str], dict[str, str]]:
 
 def collect_uploads(loaded: LoadedJob) -> list[dict[str, Any]]:
     """run.upload files (relative to the job file), each to land as run.workdir/<its file name>."""
+    from ..config.models import RunConfig
+
     run = loaded.need("run")
     assert isinstance(run, RunConfig)
     out: list[dict[str, Any]] = []
@@ -287,6 +293,8 @@ def launch(conn: Transport, loaded: LoadedJob, *, force: bool = False, run_id: s
     its command and env, and the gang watch's entry (secret on stdin only). ``generation``: a recovering
     job's generation (orchestrator.steps.generation); without it such a job starts a new lineage here
     (one host), or takes the gang plan's."""
+    from ..config.models import RunConfig
+
     job = loaded.job
     run = loaded.need("run")
     assert isinstance(run, RunConfig)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ..config.models import Job
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config.models import Job
 
 
 def job_workspace(job: Job | None, host_workspace: str | None) -> str | None:
