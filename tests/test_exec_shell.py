@@ -123,3 +123,76 @@ def test_with_ssh_persist_0_the_one_call_is_a_plain_ssh(testbed2: Any, tmp_path:
             assert all("ControlMaster=no" in ln and "ControlPath=none" in ln for ln in made), made
         else:
             assert all("ControlMaster=auto" in ln and "ControlPersist=60s" in ln for ln in made), made
+
+
+def test_ctrl_c_kills_a_child_that_ignores_sigterm_after_its_leader_died(testbed2: Any, tmp_path: Path) -> None:
+    """The command's leader dies of the SIGTERM, a child of it ignores SIGTERM: SIGKILL still follows 2 s later
+    (the node's watcher no longer stops when the wrapper, seeing the leader gone, ends it)."""
+    import secrets
+    import signal
+    import time
+
+    tb = testbed2
+    n1 = tb.nodes[0]
+    inv = _inventory(tb, tmp_path, python="python3")
+    marker = f"shellterm{secrets.token_hex(3)}"
+    script = f'echo started; (trap "" TERM; exec -a {marker} sleep 300) & wait'
+    proc = _cli.dfo_popen(inv, "exec", "-H", n1.name, "--", "bash", "-c", script)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == f"[{n1.name}] started"
+
+    def alive() -> list[str]:
+        return tb.node_exec(n1, f"pgrep -f '^{marker}' || true").stdout.split()
+
+    deadline = time.monotonic() + 30
+    while not alive():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    deadline = time.monotonic() + 20
+    while alive():
+        assert time.monotonic() < deadline, "the child that ignores SIGTERM outlived dfo exec"
+        time.sleep(0.5)
+
+
+def test_the_keepalive_never_reaches_the_output(testbed2: Any, tmp_path: Path) -> None:
+    """A quiet command gets the node's keepalive every DFO_EXEC_KEEP_S (here 0.5 s): taken out wherever it falls,
+    between lines or in the middle of one."""
+    tb = testbed2
+    n1 = tb.nodes[0]
+    inv = _inventory(tb, tmp_path, python="python3")
+    script = "printf 'half-'; printf 'err-' >&2; sleep 2; echo line; echo rest >&2"
+    r = _cli.dfo(inv, "exec", "-H", n1.name, "--json", "--", "sh", "-c", script,
+                 env=_cli.cli_env(DFO_EXEC_KEEP_S="0.5"))
+    doc = json.loads(r.stdout)["hosts"][n1.name]
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert doc["stdout"] == "half-line\n" and doc["stderr"] == "err-rest\n", doc
+
+
+def test_a_login_that_does_not_run_the_command_is_a_host_error_with_its_words(make_testbed: Any,
+                                                                             tmp_path: Path) -> None:
+    """sshd's ForceCommand (or a nologin shell) answers instead of the command: exit 4 naming what it said, not
+    a silent exit status."""
+    tb = make_testbed(nodes=1, s3=False)
+    node = tb.nodes[0]
+    tb.sshd_options(node, ForceCommand='echo denied-by-site-policy >&2; exit 3')
+    inv = _inventory(tb, tmp_path, python="python3")
+    r = _cli.dfo(inv, "exec", "-H", node.name, "--", "true")
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "did not run the command (exit 3)" in r.stderr and "denied-by-site-policy" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_command_too_long_for_one_argument_goes_through_the_node_module(testbed2: Any, tmp_path: Path) -> None:
+    """sshd hands the command to the login shell as one argument (Linux: at most 128 KiB): a longer one runs
+    through the node module, whose request travels on stdin."""
+    tb = testbed2
+    _spy_python(tb)
+    inv = _inventory(tb, tmp_path)
+    n1 = tb.nodes[0]
+    long = " " * 40_000  # 4 bytes a blank once escaped for the shell (\\040): 160 KB, past the limit
+    r = _cli.dfo(inv, "exec", "-H", n1.name, "--", "sh", "-c", 'printf %s "$1" | wc -c', "sh", long)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == f"[{n1.name}] 40000"
+    assert _python_starts(tb, n1) >= 1

@@ -325,7 +325,7 @@ def test_exec_passes_each_word_as_given(testbed2, tmp_path: Path) -> None:  # ty
 
 
 def test_exec_ctrl_c_ends_the_commands_on_the_node(testbed2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Ctrl-C on dfo exec: the node's command group goes too (its wrapper's next write fails)."""
+    """Ctrl-C on dfo exec: the node's command group goes too (the node's watcher reads EOF on the call's stdin)."""
     n1 = testbed2.nodes[0]
     inv = fleet_inventory(testbed2, tmp_path)
     marker = f"fleetint{secrets.token_hex(3)}"
@@ -345,7 +345,7 @@ def test_exec_ctrl_c_ends_the_commands_on_the_node(testbed2, tmp_path: Path) -> 
         time.sleep(1)
         raise AssertionError("dfo exec outlived Ctrl-C by 60 s: " + w.text("err")[-6000:]) from None
     assert code == 130, w.text("err")[-2000:]
-    deadline = time.monotonic() + 20  # the node's wrapper writes a tick every 2 s
+    deadline = time.monotonic() + 20  # the watcher: SIGTERM at EOF, SIGKILL 2 s later
     while node_pids(testbed2, n1, marker):
         assert time.monotonic() < deadline, "the command outlived dfo exec"
         time.sleep(0.5)
@@ -402,7 +402,7 @@ def test_exec_a_lost_link_is_exit_4_for_that_host_and_its_command_ends(testbed2,
                                                                        ) -> None:  # type: ignore[no-untyped-def]
     """node-2's link is cut while its command runs: node-1 is reported (exit 0), node-2 is a lost
     connection (exit 4, within dfo's liveness bound); once the link is back, the node's sshd drops the
-    dead session and the command's group goes with it (the wrapper's next write fails)."""
+    dead session and the command's group goes with it (the node's watcher reads EOF on the call's stdin)."""
     n1, n2 = testbed2.nodes[0], testbed2.nodes[1]
     inv = fleet_inventory(testbed2, tmp_path)
     marker = f"fleetlost{secrets.token_hex(3)}"

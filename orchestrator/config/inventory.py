@@ -8,8 +8,8 @@ objects from that record: no YAML parser, no pydantic, about 0.1-0.15 s less for
 schema's import and build were most of `dfo exec`'s own start). An edit to the file, or a dfo whose schema
 differs, validates again. ``DFO_INVENTORY_CACHE=0`` validates every time.
 
-Nothing here imports pydantic or yaml: a command that needs only the inventory (exec, tail, top) never loads
-them when the record is there.
+Nothing here imports pydantic or yaml: with the record there, a command that needs only the inventory (exec)
+loads neither, and status, tail and top only pydantic (for the node's replies).
 """
 
 from __future__ import annotations
@@ -109,6 +109,13 @@ def _write_record(path: Path, inv: Inventory) -> None:
         pass  # no record: the next command validates again
 
 
+def _same_text(p: Path, raw: bytes | None) -> bool:
+    try:
+        return p.read_bytes() == raw
+    except OSError:
+        return False
+
+
 def inventory_path(path: str | os.PathLike[str] | None) -> Path:
     return Path(path or os.environ.get("DFO_INVENTORY") or "inventory.yaml")
 
@@ -131,7 +138,7 @@ def load_inventory(path: str | os.PathLike[str] | None) -> tuple[Inventory, Path
         from .inventory_schema import validate_inventory  # pydantic and yaml: only for a text not seen before
 
         inv = validate_inventory(p, display)
-        if record is not None:
+        if record is not None and _same_text(p, raw):  # the text validated is the one the record is named for
             _write_record(record, inv)
     for group, members in inv.groups.items():
         for m in members:

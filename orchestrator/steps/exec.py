@@ -7,6 +7,7 @@ variables, give the shell yourself: ``dfo exec -H all -- bash -c 'nvidia-smi | h
 
 from __future__ import annotations
 
+import os
 import secrets
 import shlex
 import time
@@ -14,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..transport.base import CallTimeout, Transport
+from ..errors import HostError
+from ..transport.base import CallTimeout, Transport, sh_command
 
 NO_LIMIT_S = 30 * 86400.0  # without --timeout the command may run as long as it likes (liveness
 #                            still ends a call whose link died; the host's start_timeout bounds its start)
@@ -78,18 +80,37 @@ def command_text(argv: Sequence[str]) -> str:
 
 
 # The node's side of a call without --timeout, in sh alone (no node Python: what pdsh's call costs, plus a few
-# builtins and one setsid). The user's login shell (when it reads sh text, else /bin/sh) runs the command with
-# -lc from $HOME, stdin /dev/null, as the leader of a new session (setsid), so its whole group can be killed. A
-# watcher reads the call's stdin, which dfo holds open and never writes: at EOF (dfo gone: Ctrl-C, a lost link
-# that sshd has dropped) it kills the group (TERM, then KILL GRACE_S later). A node without setsid says so
-# (NO_SETSID with the caller's nonce) and runs nothing: dfo then runs the node module instead.
+# builtins, one setsid and two watchers). The user's login shell (when it reads sh text, else /bin/sh) runs the
+# command with -lc from $HOME, stdin /dev/null, as the leader of a new session (setsid), so its whole group can be
+# killed. One watcher reads the call's stdin, which dfo holds open and never writes: at EOF (dfo gone: Ctrl-C, or a
+# link that sshd dropped) it kills the group. The other writes the transport's keepalive marker ($dfo_keep, taken
+# out of the stream by dfo) on stderr every KEEP_S: a link that died while the command is quiet is then found
+# by the node's TCP (its retransmissions time out, sshd closes the session), the write fails, and the group
+# is killed, as the node module's ticks did. Killing is SIGTERM, then SIGKILL GRACE_S later, whatever the
+# command's leader does with the TERM (the watcher ignores the wrapper's own TERM once it has begun).
+# A node without setsid says so (NO_SETSID with the caller's nonce) and runs nothing: dfo then runs the node
+# module instead; so does a command whose text would pass Linux's limit on one argument (sshd hands the
+# command to the login shell as one: 128 KiB).
 GRACE_S = 2
+KEEP_S = 10
 NO_SETSID = "dfo-exec-no-setsid:"
+ARG_SAFE = 100_000  # bytes of the command's text as sshd passes it (octal escapes included): under 128 KiB
 _SHELLS = "sh|bash|dash|zsh|ksh|mksh|ash|busybox"  # as remote/exec.py's POSIX_SHELLS
+
+
+def keep_interval() -> float:
+    """KEEP_S, or $DFO_EXEC_KEEP_S (seconds above 0; tests make it short)."""
+    try:
+        v = float(os.environ.get("DFO_EXEC_KEEP_S", "") or KEEP_S)
+    except ValueError:
+        return KEEP_S
+    return v if 0 < v < 86400 else KEEP_S
 
 
 def shell_script(argv: Sequence[str], nonce: str) -> str:
     """The sh text of exec's shell path for ``argv`` (see above); ``nonce``: the caller's, for NO_SETSID."""
+    kill = f'trap "" TERM; kill -TERM -"$p"; sleep {GRACE_S}; kill -KILL -"$p"'
+    keep_s = keep_interval()
     return "\n".join([
         f"command -v setsid >/dev/null 2>&1 || {{ printf '%s\\n' {shlex.quote(NO_SETSID + nonce)} >&2; exit 0; }}",
         's=${SHELL:-/bin/sh}',
@@ -99,21 +120,27 @@ def shell_script(argv: Sequence[str], nonce: str) -> str:
         'exec 3<&0',
         f'setsid "$s" -lc {shlex.quote(command_text(argv))} </dev/null 3<&- &',
         'p=$!',
-        f'(read -r _; kill -TERM -"$p"; sleep {GRACE_S}; kill -KILL -"$p") <&3 3<&- >/dev/null 2>&1 &',
+        f'(read -r _; {kill}) <&3 3<&- >/dev/null 2>&1 &',
         'w=$!',
+        f'(trap "" PIPE; while sleep {keep_s:g} </dev/null >/dev/null 2>&1; do printf %s "$dfo_keep" >&2 || break; '
+        f'done; {kill}) </dev/null 3<&- >/dev/null &',
+        'k=$!',
         'exec 3<&-',
         'wait "$p" 2>/dev/null; c=$?',
-        'kill "$w" 2>/dev/null',
+        'kill "$w" "$k" 2>/dev/null',
         'exit "$c"',
     ])
 
 
 def _shell_exec(conn: Transport, argv: Sequence[str], on_out: Callable[[list[str]], None] | None,
                 on_err: Callable[[list[str]], None] | None, keep: bool) -> ExecResult | None:
-    """exec without --timeout, over the transport's run_lines: None where there is none (paramiko, local)
-    or the node has no setsid (the caller runs the node module)."""
+    """exec without --timeout, over the transport's run_lines: None where there is none (paramiko, local), the
+    node has no setsid, or the command is too long for one argument (the caller runs the node module)."""
     out, err = _Kept(), _Kept()
     nonce = secrets.token_hex(8)
+    script = shell_script(argv, nonce)
+    if len(sh_command(script, nonce, start_marker=nonce)) > ARG_SAFE:
+        return None
     missing: list[bool] = []
 
     def outs(lines: list[str]) -> None:
@@ -131,9 +158,17 @@ def _shell_exec(conn: Transport, argv: Sequence[str], on_out: Callable[[list[str
         if on_err is not None and lines:
             on_err(lines)
 
-    res = conn.run_lines(shell_script(argv, nonce), on_out=outs, on_err=errs, timeout=NO_LIMIT_S, alone=True)
+    res = conn.run_lines(script, on_out=outs, on_err=errs, timeout=NO_LIMIT_S, alone=True)
     if res is None or missing:
         return None
+    if not res.started:  # sshd or the login failed before the wrapper ran (a nologin shell, a ForceCommand)
+        from ..agent import plain_tail
+
+        tail = plain_tail(res.stderr.strip())
+        said = f": {tail}" if tail else ""
+        raise HostError(f"the node's shell did not run the command (exit {res.exit_code}){said}", host=conn.name,
+                        hint="`ssh HOST true` shows what the login does; the user's shell must run commands "
+                             "(not nologin), with no ForceCommand in the way")
     code = res.exit_code
     sig = code - 128 if 128 < code < 128 + 65 else None  # as the shell reports a command killed by signal N
     return ExecResult(conn.name, code, res.seconds, signal=sig, stdout=out.text() if keep else None,

@@ -43,6 +43,7 @@ class Result:
     stderr: str
     exit_code: int
     seconds: float
+    started: bool = True  # the node's side started (the start marker came): False, sshd or the login failed first
 
     @property
     def ok(self) -> bool:
@@ -122,7 +123,9 @@ def sh_command(command: str, exit_marker: str | None = None, start_marker: str |
 
     ``start_marker``: before the command, sh writes ``\036dfo-start:MARKER\036`` on stderr: the node's
     side has started (sshd, the login, the shell are past), which the transports bound by the host's
-    start_timeout. ``exit_marker``: the command runs in a subshell, then sh writes
+    start_timeout. The command finds that marker in ``$dfo_keep``: written to stderr again at any time it is
+    taken out of the stream wherever it falls (a keepalive for a quiet command: dfo exec's shell path).
+    ``exit_marker``: the command runs in a subshell, then sh writes
     ``\036dfo-exit:MARKER:CODE\036`` on stderr: the OpenSSH transport tells the command's own exit 255
     from ssh's, and sees the end of a command whose leftover child holds the output open. ``Marks`` reads
     both off stderr."""
@@ -130,7 +133,7 @@ def sh_command(command: str, exit_marker: str | None = None, start_marker: str |
     if exit_marker is not None:
         script = f"(\n{command}\n)\ns=$?\nprintf '\\036dfo-exit:{exit_marker}:%d\\036' \"$s\" >&2\nexit \"$s\"\n"
     if start_marker is not None:
-        script = f"printf '\\036dfo-start:{start_marker}\\036' >&2\n{script}"
+        script = f"dfo_keep='\x1edfo-start:{start_marker}\x1e'\nprintf %s \"$dfo_keep\" >&2\n{script}"
     enc = "".join(_ESC[b] for b in script.encode())
     return f"sh -c 'eval \"$(printf \"{enc}\")\"'"
 

@@ -193,16 +193,16 @@ class KnownHosts:
         on a fleet reads dfo's known_hosts for every host. Read-only: a writer loads the file itself, under
         its lock."""
         try:
-            st = os.stat(path)
-            key: tuple[object, ...] = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+            key = _stat_key(path)
         except OSError:
             return cls.load(path)
         with _PARSED_LOCK:
-            got = _PARSED.get(key)
-        if got is None:
-            got = cls.load(path)
-            with _PARSED_LOCK:
-                _PARSED[key] = got
+            kept = _PARSED.get(("dfo", path))
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        got = cls.load(path)
+        with _PARSED_LOCK:
+            _PARSED[("dfo", path)] = (key, got)
         return got
 
     @classmethod
@@ -239,24 +239,31 @@ def fingerprint(blob: bytes) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-_PARSED: dict[tuple[object, ...], KnownHosts] = {}  # KnownHosts.cached, lenient: by path, size, mtime, inode
+# KnownHosts.cached and lenient: each file's last parse, with the stat it was made under (size, mtime, ctime, inode:
+# a write, a rename over it or a utime changes one of them)
+_PARSED: dict[tuple[str, str], tuple[tuple[int, ...], KnownHosts]] = {}
 _PARSED_LOCK = threading.Lock()
+
+
+def _stat_key(path: str) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 def lenient(path: str) -> list[Entry]:
     """The lines of a known_hosts file that is not dfo's (the user's, the system's): unreadable lines skipped,
     as ssh does; an absent or unreadable file is empty. Parsed once per process while the file stays as it is."""
     try:
-        st = os.stat(path)
+        key = _stat_key(path)
     except OSError:
         return []
-    key = ("lenient", path, st.st_size, st.st_mtime_ns, st.st_ino)
     with _PARSED_LOCK:
-        got = _PARSED.get(key)
-    if got is None:
-        got = KnownHosts(path, _lenient(path))
-        with _PARSED_LOCK:
-            _PARSED[key] = got
+        kept = _PARSED.get(("lenient", path))
+    if kept is not None and kept[0] == key:
+        return list(kept[1].entries)
+    got = KnownHosts(path, _lenient(path))
+    with _PARSED_LOCK:
+        _PARSED[("lenient", path)] = (key, got)
     return list(got.entries)
 
 

@@ -389,17 +389,19 @@ class OpenSSH(Transport):
             sel.close()
             if proc.poll() is None:
                 stop(proc)
-            _drain(efd, open_fds, err)
-            for f in (proc.stdout, proc.stderr, held):
-                if f is not None:
-                    try:
-                        f.close()
-                    except OSError:
-                        pass
-            with self._lock:
-                self._running.discard(proc)
-                closed = proc in self._closed
-                self._closed.discard(proc)
+            try:
+                _drain(efd, open_fds, err)  # (what run_lines' on_err raises here still leaves nothing open)
+            finally:
+                for f in (proc.stdout, proc.stderr, held):
+                    if f is not None:
+                        try:
+                            f.close()
+                        except OSError:
+                            pass
+                with self._lock:
+                    self._running.discard(proc)
+                    closed = proc in self._closed
+                    self._closed.discard(proc)
         out.flush()
         keys.merge_new_keys(self.host, prep)
         code = proc.returncode if proc.returncode is not None else 255
@@ -414,7 +416,7 @@ class OpenSSH(Transport):
             return Result(self.name, command, out.text(), err.text(), err.code, time.monotonic() - start)
         text = err.text()
         if code != 255:
-            return Result(self.name, command, out.text(), text, code, time.monotonic() - start)
+            return Result(self.name, command, out.text(), text, code, time.monotonic() - start, started=err.started)
         if not fresh and not got_output and (mux_failed_before_session(text) or self._hop_unseen(text)):
             return None
         raise classify(self.host, prep, text)
