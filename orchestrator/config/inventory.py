@@ -15,6 +15,7 @@ loads neither, and status, tail and top only pydantic (for the node's replies).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -64,6 +65,7 @@ def to_doc(inv: Inventory) -> dict[str, Any]:
     return dataclasses.asdict(inv)
 
 
+@functools.cache  # the schema's files do not change under a running dfo
 def _schema_hash() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"v{CACHE_VERSION}".encode())

@@ -31,6 +31,7 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,17 +194,9 @@ class KnownHosts:
         on a fleet reads dfo's known_hosts for every host. Read-only: a writer loads the file itself, under
         its lock."""
         try:
-            key = _stat_key(path)
-        except OSError:
+            return _parsed("dfo", path, lambda: cls.load(path))
+        except OSError:  # no stat to key it on: read as it is
             return cls.load(path)
-        with _PARSED_LOCK:
-            kept = _PARSED.get(("dfo", path))
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        got = cls.load(path)
-        with _PARSED_LOCK:
-            _PARSED[("dfo", path)] = (key, got)
-        return got
 
     @classmethod
     def load(cls, path: str) -> KnownHosts:
@@ -245,26 +238,27 @@ _PARSED: dict[tuple[str, str], tuple[tuple[int, ...], KnownHosts]] = {}
 _PARSED_LOCK = threading.Lock()
 
 
-def _stat_key(path: str) -> tuple[int, ...]:
+def _parsed(kind: str, path: str, parse: Callable[[], KnownHosts]) -> KnownHosts:
+    """``parse()``'s answer for ``path``, made again only when the file's stat changed (OSError: no stat)."""
     st = os.stat(path)
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    with _PARSED_LOCK:
+        kept = _PARSED.get((kind, path))
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    got = parse()
+    with _PARSED_LOCK:
+        _PARSED[(kind, path)] = (key, got)
+    return got
 
 
 def lenient(path: str) -> list[Entry]:
     """The lines of a known_hosts file that is not dfo's (the user's, the system's): unreadable lines skipped,
     as ssh does; an absent or unreadable file is empty. Parsed once per process while the file stays as it is."""
     try:
-        key = _stat_key(path)
-    except OSError:
+        return list(_parsed("lenient", path, lambda: KnownHosts(path, _lenient(path))).entries)
+    except OSError:  # absent or unreadable
         return []
-    with _PARSED_LOCK:
-        kept = _PARSED.get(("lenient", path))
-    if kept is not None and kept[0] == key:
-        return list(kept[1].entries)
-    got = KnownHosts(path, _lenient(path))
-    with _PARSED_LOCK:
-        _PARSED[("lenient", path)] = (key, got)
-    return list(got.entries)
 
 
 def _lenient(path: str) -> list[Entry]:
