@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -205,6 +206,7 @@ class S3Server:
             port = free_ports(1)[0]
             argv = [binary, "serve", "s3", "--config", "/dev/null", "--addr", f"{self.address}:{port}", str(data)]
             env["RCLONE_AUTH_KEY"] = f'"{ak},{sk}"'  # CSV-quoted: one key pair, not two values
+        since = log.stat().st_size if log.exists() else 0  # this start's lines only: an earlier try's stay above
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
@@ -212,11 +214,35 @@ class S3Server:
         try:
             wait_banner(self.address, port, timeout=timeout, alive=self.proc, prefix=b"")
             self._wait_writable(endpoint, t0 + timeout)
+            if kind == "seaweedfs":
+                self._wait_admin(log, since, t0 + timeout)
         except TestbedError as exc:
             raise TestbedError(f"{exc}; log {log}:\n{log_tail(log)}") from None
         self.endpoint = endpoint
         self.startup_s = time.monotonic() - t0
         return endpoint
+
+    def _wait_admin(self, log: Path, since: int, deadline: float) -> None:
+        """`weed mini` also starts an admin server, on a port chosen free before weed started: when another process
+        took that port meanwhile, weed serves S3 for two minutes and then exits (its admin never became ready),
+        which took the S3 of a whole test worker away mid-run. Ready: its log says the admin is; a failed bind is a
+        failed start (start() tries once more with fresh ports)."""
+        while True:
+            try:
+                with open(log, "rb") as f:
+                    f.seek(since)
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                text = ""
+            if re.search(r"Admin\s+ready", text):
+                return
+            if "Admin server error" in text or re.search(r"Admin\s+stopped", text):
+                raise TestbedError("its admin server did not start (a port taken meanwhile)")
+            if self.proc is not None and self.proc.poll() is not None:
+                raise TestbedError(f"weed exited ({self.proc.returncode})")
+            if time.monotonic() > deadline:
+                raise TestbedError("its admin server was not ready in time")
+            time.sleep(0.05)
 
     def _wait_writable(self, endpoint: S3Endpoint, deadline: float) -> None:
         """Ready means a bucket can be created, written, read and removed, not just a port open."""
